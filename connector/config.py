@@ -1,0 +1,93 @@
+"""The connector's configuration: one typed, validated object built from ``kv_connector_extra_config``.
+
+Mooncake settings come from the extra config, or from a Mooncake JSON file named by
+``mooncake_config_path`` (or the ``MOONCAKE_CONFIG_PATH`` environment variable); fields given in the
+extra config win over the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+_MOONCAKE_FIELDS = (
+    "local_hostname",
+    "metadata_server",
+    "master_server_address",
+    "global_segment_size",
+    "local_buffer_size",
+    "protocol",
+    "device_name",
+)
+
+
+class ConfigError(ValueError):
+    """A bad connector configuration; the message names the field and what it accepts."""
+
+
+class KVToolConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # Mooncake store client.
+    master_server_address: str = Field(min_length=3, description="host:port of the mooncake_master RPC")
+    metadata_server: str = "P2PHANDSHAKE"
+    local_hostname: str = "127.0.0.1"
+    protocol: Literal["tcp", "rdma"] = "tcp"
+    device_name: str = ""
+    global_segment_size: int = Field(default=256 << 20, ge=0, description="bytes this engine lends the store")
+    local_buffer_size: int = Field(default=64 << 20, gt=0, description="client transfer buffer, bytes")
+
+    # Keys and hashing.
+    hash_unit: int = Field(default=1, gt=0, description="tail boundary grid, tokens")
+    model_id: str | None = Field(default=None, description="model identity in the namespace; default: served model")
+    weights_digest: str = Field(default="", description="optional weights digest folded into the namespace")
+
+    # Fail-closed time-outs.
+    lookup_timeout_s: float = Field(default=2.0, gt=0)
+    load_timeout_s: float = Field(default=10.0, gt=0)
+    save_timeout_s: float = Field(default=30.0, gt=0)
+    connect_timeout_s: float = Field(default=10.0, gt=0)
+
+    @field_validator("master_server_address")
+    @classmethod
+    def _host_port(cls, value: str) -> str:
+        host, sep, port = value.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError("must be host:port, e.g. 127.0.0.1:50051")
+        return value
+
+
+def load_config(extra_config: dict[str, Any] | None) -> KVToolConfig:
+    """Build the validated config; raise ConfigError with one sentence per bad field."""
+    raw = dict(extra_config or {})
+    file_path = raw.pop("mooncake_config_path", None) or os.environ.get("MOONCAKE_CONFIG_PATH")
+    merged: dict[str, Any] = {}
+    if file_path:
+        merged.update(_read_mooncake_file(Path(file_path)))
+    merged.update(raw)
+    try:
+        return KVToolConfig(**merged)
+    except ValidationError as exc:
+        problems = []
+        for error in exc.errors():
+            field = ".".join(str(part) for part in error["loc"]) or "(config)"
+            if error["type"] == "extra_forbidden":
+                accepted = ", ".join(sorted(KVToolConfig.model_fields))
+                problems.append(f"unknown field {field!r} (accepted: {accepted})")
+            else:
+                problems.append(f"field {field!r}: {error['msg']}")
+        raise ConfigError("kvtool connector config: " + "; ".join(problems)) from None
+
+
+def _read_mooncake_file(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"cannot read Mooncake config file {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"Mooncake config file {path} must hold a JSON object")
+    return {name: data[name] for name in _MOONCAKE_FIELDS if name in data}

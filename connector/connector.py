@@ -1,0 +1,172 @@
+"""KVToolConnector: the class vLLM loads (``kv_connector="KVToolConnector"``,
+``kv_connector_module_path="connector.connector"``).
+
+A thin facade: it validates the configuration, opens the store, and delegates by role to the
+scheduler side or the worker side. It fails closed: a store that cannot be reached at start-up
+leaves the engine serving without the connector's help (one warning).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from .config import load_config
+from .data import KVToolMetadata
+from .layout import UnsupportedLayout, engine_namespace
+from .metrics import KVToolStats
+from .scheduler import SchedulerSide
+from .store import SharedStore, StoreError
+from .worker import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("kvtool.connector")
+
+_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+
+
+class KVToolConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = self._kv_transfer_config
+        if transfer.kv_role not in _ROLES:
+            raise ValueError(f"kvtool connector: kv_role {transfer.kv_role!r} is not one of {', '.join(_ROLES)}")
+        self.config = load_config(transfer.kv_connector_extra_config)
+        loads_enabled = transfer.kv_role in ("kv_consumer", "kv_both")
+        saves_enabled = transfer.kv_role in ("kv_producer", "kv_both")
+        if role == KVConnectorRole.SCHEDULER and loads_enabled and transfer.kv_load_failure_policy != "recompute":
+            # A failed load must be a miss, never a failed request.
+            logger.warning("kvtool: kv_load_failure_policy %r changed to 'recompute'", transfer.kv_load_failure_policy)
+            transfer.kv_load_failure_policy = "recompute"
+
+        self.namespace = None
+        try:
+            self.namespace = engine_namespace(
+                vllm_config, kv_cache_config, self.config.model_id, self.config.weights_digest
+            )
+        except UnsupportedLayout as exc:
+            logger.warning("kvtool: connector disabled, %s", exc)
+        self._store = self._open_store() if self.namespace is not None else None
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        namespace = self.namespace or _placeholder_namespace()
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(
+                self.config, namespace, self._store, loads_enabled=loads_enabled, saves_enabled=saves_enabled
+            )
+        else:
+            self._worker = WorkerSide(namespace, self._store, saves_enabled=saves_enabled)
+
+    def _open_store(self) -> SharedStore | None:
+        try:
+            return SharedStore(self.config)
+        except StoreError as exc:
+            logger.warning(
+                "kvtool: Mooncake store at %s is unavailable (%s); serving without the connector's help",
+                self.config.master_server_address,
+                exc,
+            )
+            return None
+
+    # ---- scheduler side ---------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A best-effort cache: a save lost to preemption is only a future miss.
+        return False
+
+    # ---- worker side ------------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        assert self._worker is not None
+        if self.namespace is None or self._store is None:
+            return
+        group = self._kv_cache_config.kv_cache_groups[0]
+        try:
+            self._worker.register_kv_caches(kv_caches, list(group.layer_names), self._kv_cache_config.num_blocks)
+        except ValueError as exc:
+            logger.warning("kvtool: connector disabled, %s", exc)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        assert self._worker is not None
+        meta = self._connector_metadata
+        if isinstance(meta, KVToolMetadata):
+            self._worker.start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata", **kwargs: Any
+    ) -> None:
+        return
+
+    def wait_for_save(self):
+        assert self._worker is not None
+        meta = self._connector_metadata
+        if isinstance(meta, KVToolMetadata):
+            self._worker.wait_for_save(meta)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.get_block_ids_with_load_errors() if self._worker is not None else set()
+
+    def get_kv_connector_stats(self) -> KVToolStats | None:
+        if self._worker is None:
+            return None
+        taken = self._worker.take_stats()
+        return KVToolStats(data=taken) if taken else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVToolStats | None:
+        return KVToolStats(data=dict(data)) if data is not None else KVToolStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        from .metrics import KVToolPromMetrics
+
+        return KVToolPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def shutdown(self):
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+
+
+def _placeholder_namespace():
+    from .keys import Namespace
+
+    return Namespace(model="disabled", dtype="none", kv_layout="none", block_size=1, num_layers=0,
+                     num_kv_heads=0, head_size=0)

@@ -1,0 +1,38 @@
+"""Plain data that crosses from the scheduler-side connector to the worker-side connector."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from .keys import KeyKind
+
+
+@dataclass(frozen=True)
+class BlockTransfer:
+    """One stored object and the physical block it is copied from or into."""
+
+    block_id: int
+    kind: KeyKind
+    token_start: int
+    token_end: int
+    chain_hash: bytes
+
+
+@dataclass(frozen=True)
+class RequestLoad:
+    req_id: str
+    transfers: tuple[BlockTransfer, ...]
+
+
+@dataclass(frozen=True)
+class RequestSave:
+    req_id: str
+    transfers: tuple[BlockTransfer, ...]
+
+
+@dataclass
+class KVToolMetadata(KVConnectorMetadata):
+    loads: list[RequestLoad] = field(default_factory=list)
+    saves: list[RequestSave] = field(default_factory=list)

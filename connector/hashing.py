@@ -1,0 +1,112 @@
+"""Chained prefix hashes and the boundaries they are taken at.
+
+The rule: a full block is keyed by the chain hash at its end; a partial tail is keyed by the hash of
+the last full block's chain value and the tail's tokens, taken at the tail's exact end boundary.
+Tail boundaries fall on a ``hash_unit`` grid (1 = token-exact). Block and tail hashes use different
+domain tags, so a tail hash can never equal a block hash.
+
+Everything here is pure and deterministic across processes and machines: BLAKE2b-128 over
+little-endian uint32 token ids, never Python's ``hash``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+HASH_BYTES = 16  # 128-bit chain values
+
+_ROOT_TAG = b"kvtool-root-v1"
+_BLOCK_TAG = b"B"
+_TAIL_TAG = b"T"
+
+
+def _digest(*parts: bytes) -> bytes:
+    h = hashlib.blake2b(digest_size=HASH_BYTES)
+    for part in parts:
+        # Length-prefix each part so that concatenations of different parts cannot collide.
+        h.update(struct.pack("<I", len(part)))
+        h.update(part)
+    return h.digest()
+
+
+def _token_bytes(tokens: Sequence[int]) -> bytes:
+    return struct.pack(f"<{len(tokens)}I", *tokens)
+
+
+@dataclass(frozen=True)
+class RequestIdentity:
+    """What, besides the tokens, makes one request's KV differ from another's.
+
+    ``cache_salt`` isolates users (requests with different salts never share KV), ``lora_name``
+    the adapter, ``mm_hashes`` the multimodal inputs.
+    """
+
+    cache_salt: str | None = None
+    lora_name: str | None = None
+    mm_hashes: tuple[str, ...] = ()
+
+    def root_hash(self) -> bytes:
+        return _digest(
+            _ROOT_TAG,
+            (self.cache_salt or "").encode(),
+            b"\x01" if self.cache_salt is not None else b"\x00",
+            (self.lora_name or "").encode(),
+            "\x1f".join(self.mm_hashes).encode(),
+        )
+
+
+def block_hashes(tokens: Sequence[int], block_size: int, root: bytes) -> list[bytes]:
+    """Chain hashes at the end of every full block of ``tokens`` (``len(tokens) // block_size`` of them)."""
+    if block_size <= 0:
+        raise ValueError("block_size must be positive")
+    hashes: list[bytes] = []
+    parent = root
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        parent = _digest(_BLOCK_TAG, parent, _token_bytes(tokens[start : start + block_size]))
+        hashes.append(parent)
+    return hashes
+
+
+def tail_hash(tokens: Sequence[int], boundary: int, block_size: int, parent: bytes) -> bytes:
+    """Hash of the partial tail ending at ``boundary``.
+
+    ``parent`` is the chain value of the last full block before the tail (the root when the tail
+    lies in the first block). ``boundary`` must not be block-aligned: an aligned boundary is a block.
+    """
+    tail_start = (boundary // block_size) * block_size
+    if boundary == tail_start:
+        raise ValueError(f"boundary {boundary} is block-aligned; it is keyed as a block, not a tail")
+    if boundary > len(tokens):
+        raise ValueError(f"boundary {boundary} is past the end of the {len(tokens)} tokens")
+    return _digest(_TAIL_TAG, parent, _token_bytes(tokens[tail_start:boundary]))
+
+
+def tail_boundaries(block_index: int, block_size: int, hash_unit: int, limit: int) -> list[int]:
+    """Candidate tail boundaries inside block ``block_index``, ascending, none beyond ``limit``.
+
+    Boundaries are the multiples of ``hash_unit`` strictly inside the block, i.e. in
+    ``(block_start, block_end)``.
+    """
+    if hash_unit <= 0:
+        raise ValueError("hash_unit must be positive")
+    block_start = block_index * block_size
+    last = min(block_start + block_size - 1, limit)
+    first = (block_start // hash_unit + 1) * hash_unit
+    return list(range(first, last + 1, hash_unit))
+
+
+def save_tail_boundary(num_tokens: int, block_size: int, hash_unit: int) -> int | None:
+    """The boundary at which a prompt of ``num_tokens`` tokens publishes its tail, or None.
+
+    It is the prompt length rounded down to the ``hash_unit`` grid, when that falls strictly inside
+    the last block (an aligned or empty remainder has no tail).
+    """
+    boundary = (num_tokens // hash_unit) * hash_unit
+    if boundary % block_size == 0:
+        return None
+    if boundary // block_size != num_tokens // block_size:
+        return None
+    return boundary

@@ -1,0 +1,87 @@
+"""The store's key schema (version 1) and the namespace folded into every key.
+
+    kvtool/1/<namespace>/b/<end_token>/<chain_hash>   a full block ending at token end_token
+    kvtool/1/<namespace>/t/<boundary>/<chain_hash>    a partial tail ending at token boundary
+
+``namespace`` is 16 hex digits of the namespace fingerprint: everything that makes KV bytes
+incompatible for the same tokens (model, dtype, layout, block size, layers, KV heads, head size, TP
+size and rank, cache group). ``chain_hash`` is 32 hex digits (128 bits). The kind letter and the
+block/tail domain tags of the hashes keep tail keys and block keys apart. Keys use only
+``[a-z0-9/]`` so they survive the master's comma-separated batch queries and URLs unescaped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import asdict, dataclass
+from enum import Enum
+
+SCHEMA_VERSION = 1
+KEY_PREFIX = f"kvtool/{SCHEMA_VERSION}/"
+NAMESPACE_HEX = 16
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Everything that makes stored KV bytes incompatible between two engines."""
+
+    model: str
+    dtype: str
+    kv_layout: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    tp_size: int = 1
+    tp_rank: int = 0
+    cache_group: int = 0
+    weights_digest: str = ""
+
+    def fingerprint(self) -> bytes:
+        canonical = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        return hashlib.blake2b(canonical.encode(), digest_size=16).digest()
+
+    def key_component(self) -> str:
+        return self.fingerprint().hex()[:NAMESPACE_HEX]
+
+
+class KeyKind(str, Enum):
+    BLOCK = "b"
+    TAIL = "t"
+
+
+@dataclass(frozen=True)
+class DecodedKey:
+    namespace: str
+    kind: KeyKind
+    end_token: int  # block end or tail boundary: the number of prefix tokens the object covers
+    chain_hash: str
+
+
+_KEY_RE = re.compile(
+    r"^kvtool/(?P<version>\d+)/(?P<ns>[0-9a-f]{%d})/(?P<kind>[bt])/(?P<end>\d+)/(?P<hash>[0-9a-f]{32})$"
+    % NAMESPACE_HEX
+)
+
+
+def block_key(namespace: str, end_token: int, chain_hash: bytes) -> str:
+    return f"{KEY_PREFIX}{namespace}/{KeyKind.BLOCK.value}/{end_token}/{chain_hash.hex()}"
+
+
+def tail_key(namespace: str, boundary: int, chain_hash: bytes) -> str:
+    return f"{KEY_PREFIX}{namespace}/{KeyKind.TAIL.value}/{boundary}/{chain_hash.hex()}"
+
+
+def decode_key(key: str) -> DecodedKey | None:
+    """Decode one of our keys; None for a key of another schema version or another program."""
+    match = _KEY_RE.match(key)
+    if match is None or int(match["version"]) != SCHEMA_VERSION:
+        return None
+    return DecodedKey(
+        namespace=match["ns"],
+        kind=KeyKind(match["kind"]),
+        end_token=int(match["end"]),
+        chain_hash=match["hash"],
+    )

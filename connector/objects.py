@@ -1,0 +1,147 @@
+"""Self-describing stored objects: a fixed header followed by whole physical blocks, one per layer.
+
+A full block object covers tokens [start, start + block_size); a tail object is the bytes of a
+partly filled block plus its count of valid tokens (``token_end - token_start``). Whole blocks are
+stored because attention backends pack block interiors differently (the CPU backend tiles them),
+so only whole-block copies are layout-agnostic.
+
+Header (little-endian, 79 bytes):
+    magic "KVT0" | format u16 | header size u16 | namespace fingerprint 16B | chain hash 16B |
+    kind u8 | dtype 16B ascii | layers u16 | token_start u32 | token_end u32 |
+    payload length u64 | payload crc32 u32
+
+Every load checks every field against what the reader expects; any mismatch rejects the object.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass
+
+from .keys import KeyKind
+
+MAGIC = b"KVT0"
+FORMAT_VERSION = 1
+_HEADER = struct.Struct("<4sHH16s16sB16sHIIQI")
+HEADER_SIZE = _HEADER.size
+_KIND_CODES = {KeyKind.BLOCK: 0, KeyKind.TAIL: 1}
+
+
+class ObjectRejected(Exception):
+    """A stored object failed a check; the reason is a short, stable cause label plus detail."""
+
+    def __init__(self, cause: str, detail: str):
+        super().__init__(f"{cause}: {detail}")
+        self.cause = cause
+
+
+@dataclass(frozen=True)
+class ObjectHeader:
+    namespace_fingerprint: bytes
+    chain_hash: bytes
+    kind: KeyKind
+    dtype: str
+    num_layers: int
+    token_start: int
+    token_end: int
+    payload_len: int
+    payload_crc: int = 0
+
+    @property
+    def valid_tokens(self) -> int:
+        return self.token_end - self.token_start
+
+
+def encode_header(header: ObjectHeader) -> bytes:
+    dtype = header.dtype.encode("ascii")
+    if len(dtype) > 16:
+        raise ValueError(f"dtype name {header.dtype!r} is longer than 16 characters")
+    return _HEADER.pack(
+        MAGIC,
+        FORMAT_VERSION,
+        HEADER_SIZE,
+        header.namespace_fingerprint,
+        header.chain_hash,
+        _KIND_CODES[header.kind],
+        dtype,
+        header.num_layers,
+        header.token_start,
+        header.token_end,
+        header.payload_len,
+        header.payload_crc,
+    )
+
+
+def encode_object(header: ObjectHeader, payload: bytes | memoryview) -> bytes:
+    """The stored bytes: header (with length and checksum filled in from the payload) + payload."""
+    filled = ObjectHeader(
+        namespace_fingerprint=header.namespace_fingerprint,
+        chain_hash=header.chain_hash,
+        kind=header.kind,
+        dtype=header.dtype,
+        num_layers=header.num_layers,
+        token_start=header.token_start,
+        token_end=header.token_end,
+        payload_len=len(payload),
+        payload_crc=zlib.crc32(payload),
+    )
+    return encode_header(filled) + bytes(payload)
+
+
+def decode_header(data: bytes | memoryview) -> ObjectHeader:
+    if len(data) < HEADER_SIZE:
+        raise ObjectRejected("truncated", f"{len(data)} bytes is shorter than the {HEADER_SIZE}-byte header")
+    (magic, version, header_size, ns, chain, kind_code, dtype, layers, start, end, plen, crc) = (
+        _HEADER.unpack_from(data)
+    )
+    if magic != MAGIC:
+        raise ObjectRejected("foreign", "not a kvtool object (bad magic)")
+    if version != FORMAT_VERSION or header_size != HEADER_SIZE:
+        raise ObjectRejected("version", f"object format {version} is not {FORMAT_VERSION}")
+    kinds = {code: kind for kind, code in _KIND_CODES.items()}
+    if kind_code not in kinds:
+        raise ObjectRejected("corrupt", f"unknown kind code {kind_code}")
+    return ObjectHeader(
+        namespace_fingerprint=ns,
+        chain_hash=chain,
+        kind=kinds[kind_code],
+        dtype=dtype.rstrip(b"\x00").decode("ascii", errors="replace"),
+        num_layers=layers,
+        token_start=start,
+        token_end=end,
+        payload_len=plen,
+        payload_crc=crc,
+    )
+
+
+def verify_object(data: bytes | memoryview, expected: ObjectHeader) -> memoryview:
+    """Check ``data`` against everything the reader expects; return a view of the payload.
+
+    ``expected.payload_len`` is the exact payload size the reader's KV layout needs;
+    ``expected.payload_crc`` is ignored (the checksum is checked against the payload itself).
+    """
+    header = decode_header(data)
+    if header.namespace_fingerprint != expected.namespace_fingerprint:
+        raise ObjectRejected("namespace", "object was written under another namespace")
+    if header.chain_hash != expected.chain_hash:
+        raise ObjectRejected("hash", "object's chain hash differs from its key's")
+    checks = (
+        ("kind", header.kind, expected.kind),
+        ("dtype", header.dtype, expected.dtype),
+        ("layers", header.num_layers, expected.num_layers),
+        ("token_start", header.token_start, expected.token_start),
+        ("token_end", header.token_end, expected.token_end),
+        ("payload_len", header.payload_len, expected.payload_len),
+    )
+    for name, found, wanted in checks:
+        if found != wanted:
+            raise ObjectRejected("mismatch", f"{name} is {found}, expected {wanted}")
+    if len(data) != HEADER_SIZE + header.payload_len:
+        raise ObjectRejected(
+            "truncated", f"object is {len(data)} bytes, header says {HEADER_SIZE + header.payload_len}"
+        )
+    payload = memoryview(data)[HEADER_SIZE:]
+    if zlib.crc32(payload) != header.payload_crc:
+        raise ObjectRejected("checksum", "payload checksum does not match")
+    return payload

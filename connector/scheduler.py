@@ -1,0 +1,224 @@
+"""Scheduler side: finds stored prefixes, plans loads and saves, reports per-request hit details."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .config import KVToolConfig
+from .data import BlockTransfer, KVToolMetadata, RequestLoad, RequestSave
+from .hashing import RequestIdentity
+from .keys import KeyKind, Namespace
+from .prefix import LoadPlan, ObjectSave, PromptKeys, find_stored_prefix, plan_load, plan_save
+from .store import KVStore, StoreError
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("kvtool.connector")
+
+
+def request_identity(request: "Request") -> RequestIdentity:
+    lora = getattr(request, "lora_request", None)
+    features = getattr(request, "mm_features", None) or []
+    return RequestIdentity(
+        cache_salt=getattr(request, "cache_salt", None),
+        lora_name=lora.lora_name if lora is not None else None,
+        mm_hashes=tuple(str(f.identifier) for f in features),
+    )
+
+
+@dataclass
+class _Tracked:
+    """What the scheduler side keeps about one live request."""
+
+    request: "Request"
+    keys: PromptKeys
+    block_ids: list[int] = field(default_factory=list)
+    plan: LoadPlan | None = None
+    stored_prefix_tokens: int = 0
+    lookup: str = "not looked up"
+    loaded_tokens: int = 0  # prefix end the request holds without computing (local + external)
+    save_scheduled: bool = False
+    save_objects: int = 0
+    tail_boundary_saved: int | None = None
+
+
+class SchedulerSide:
+    def __init__(
+        self,
+        config: KVToolConfig,
+        namespace: Namespace,
+        store: KVStore | None,
+        *,
+        loads_enabled: bool,
+        saves_enabled: bool,
+    ):
+        self._config = config
+        self._namespace = namespace.key_component()
+        self._block_size = namespace.block_size
+        self._store = store
+        self._loads_enabled = loads_enabled and store is not None
+        self._saves_enabled = saves_enabled and store is not None
+        self._tracked: dict[str, _Tracked] = {}
+        self._pending_loads: list[RequestLoad] = []
+        self._warned: set[str] = set()
+        self.lookups = 0
+        self.lookup_errors = 0
+
+    # -- lookup -------------------------------------------------------------------------------------
+
+    def _track(self, request: "Request") -> _Tracked:
+        tracked = self._tracked.get(request.request_id)
+        if tracked is None:
+            keys = PromptKeys.build(
+                request.prompt_token_ids or [],
+                self._block_size,
+                self._config.hash_unit,
+                self._namespace,
+                request_identity(request).root_hash(),
+            )
+            tracked = _Tracked(request=request, keys=keys)
+            self._tracked[request.request_id] = tracked
+        return tracked
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        tracked = self._track(request)
+        if not self._loads_enabled or len(tracked.keys.tokens) < 2:
+            return 0, False
+        self.lookups += 1
+        try:
+            stored = find_stored_prefix(tracked.keys, self._exists)
+        except StoreError as exc:
+            self.lookup_errors += 1
+            self._warn_once("lookup", f"kvtool: store lookup failed, serving as a cache miss: {exc}")
+            tracked.lookup, tracked.plan = f"error: {exc}", None
+            return 0, False
+        plan = plan_load(tracked.keys, stored, num_computed_tokens)
+        tracked.plan = plan
+        tracked.stored_prefix_tokens = stored.tokens
+        tracked.lookup = "hit" if plan.external_tokens else "miss"
+        return plan.external_tokens, False
+
+    def _exists(self, keys: list[str]) -> list[bool]:
+        assert self._store is not None
+        return self._store.exists(keys)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        tracked = self._track(request)
+        block_ids = list(blocks.get_block_ids()[0])
+        tracked.block_ids = block_ids
+        plan = tracked.plan
+        if num_external_tokens <= 0 or plan is None:
+            tracked.loaded_tokens = request.num_computed_tokens
+            if plan is not None and plan.external_tokens:
+                tracked.lookup = "hit not taken by the scheduler"
+            tracked.plan = None if num_external_tokens <= 0 else plan
+            return
+        # The scheduler takes the whole hit or none of it; objects cover whole blocks, so a shorter
+        # grant (never seen with one cache group) would still load correct bytes for what it claims.
+        end_block = (plan.local_tokens + num_external_tokens - 1) // self._block_size
+        transfers = tuple(
+            BlockTransfer(block_ids[obj.block_index], obj.kind, obj.token_start, obj.token_end, obj.chain_hash)
+            for obj in plan.objects
+            if obj.block_index <= end_block
+        )
+        self._pending_loads.append(RequestLoad(request.request_id, transfers))
+        tracked.loaded_tokens = plan.local_tokens + num_external_tokens
+
+    # -- metadata -----------------------------------------------------------------------------------
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVToolMetadata:
+        meta = KVToolMetadata(loads=self._pending_loads)
+        self._pending_loads = []
+        if not self._saves_enabled:
+            return meta
+        for new_req in scheduler_output.scheduled_new_reqs:
+            tracked = self._tracked.get(new_req.req_id)
+            if tracked is None:
+                continue
+            tracked.block_ids = list(new_req.block_ids[0])
+            self._maybe_save(meta, tracked, new_req.num_computed_tokens, scheduler_output)
+        cached = scheduler_output.scheduled_cached_reqs
+        for index, req_id in enumerate(cached.req_ids):
+            tracked = self._tracked.get(req_id)
+            if tracked is None:
+                continue
+            new_block_ids = cached.new_block_ids[index]
+            if req_id in cached.resumed_req_ids:
+                tracked.block_ids = list(new_block_ids[0]) if new_block_ids is not None else []
+            elif new_block_ids is not None:
+                tracked.block_ids.extend(new_block_ids[0])
+            self._maybe_save(meta, tracked, cached.num_computed_tokens[index], scheduler_output)
+        return meta
+
+    def _maybe_save(
+        self, meta: KVToolMetadata, tracked: _Tracked, num_computed: int, scheduler_output: "SchedulerOutput"
+    ) -> None:
+        """Publish the prompt's KV in the step that completes it (so a max_tokens=1 request publishes too)."""
+        if tracked.save_scheduled:
+            return
+        req_id = tracked.request.request_id
+        scheduled = scheduler_output.num_scheduled_tokens.get(req_id, 0)
+        prompt_len = len(tracked.keys.tokens)
+        if num_computed + scheduled < prompt_len:
+            return
+        tracked.save_scheduled = True
+        saves = self._not_yet_stored(plan_save(tracked.keys))
+        usable = [s for s in saves if s.block_index < len(tracked.block_ids)]
+        if len(usable) != len(saves):
+            self._warn_once("blocks", "kvtool: a request had fewer blocks than its prompt; saved what it had")
+        if not usable:
+            return
+        meta.saves.append(
+            RequestSave(
+                req_id,
+                tuple(
+                    BlockTransfer(tracked.block_ids[s.block_index], s.kind, s.token_start, s.token_end, s.chain_hash)
+                    for s in usable
+                ),
+            )
+        )
+        tracked.save_objects = len(usable)
+        tails = [s.token_end for s in usable if s.kind is KeyKind.TAIL]
+        tracked.tail_boundary_saved = tails[0] if tails else None
+
+    def _not_yet_stored(self, saves: list[ObjectSave]) -> list[ObjectSave]:
+        """Drop objects the store already holds (one existence query); on a store error keep them all,
+        since a put of a present key is a no-op."""
+        try:
+            present = self._exists([s.key for s in saves])
+        except StoreError:
+            return saves
+        return [s for s, found in zip(saves, present) if not found]
+
+    # -- finish -------------------------------------------------------------------------------------
+
+    def request_finished(self, request: "Request") -> tuple[bool, dict[str, Any] | None]:
+        tracked = self._tracked.pop(request.request_id, None)
+        if tracked is None:
+            return False, None
+        return False, {"kvtool": self.hit_details(tracked)}
+
+    @staticmethod
+    def hit_details(tracked: _Tracked) -> dict[str, Any]:
+        plan = tracked.plan
+        return {
+            "prompt_tokens": len(tracked.keys.tokens),
+            "lookup": tracked.lookup,
+            "stored_prefix_tokens": tracked.stored_prefix_tokens,
+            "local_hit_tokens": plan.local_tokens if plan else 0,
+            "external_hit_tokens": plan.external_tokens if plan else 0,
+            "block_hit_tokens": plan.block_tokens if plan else 0,
+            "tail_hit_tokens": plan.tail_tokens if plan else 0,
+            "save_objects": tracked.save_objects,
+            "save_tail_boundary": tracked.tail_boundary_saved,
+        }
+
+    def _warn_once(self, topic: str, message: str) -> None:
+        if topic not in self._warned:
+            self._warned.add(topic)
+            logger.warning(message)

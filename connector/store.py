@@ -1,0 +1,187 @@
+"""The store interface the connector needs, and its Mooncake implementation.
+
+Four calls: batched existence, batched get, put of immutable objects, close. Every call runs under a
+time-out on a small thread pool, so a slow or wedged store becomes a ``StoreError`` (a miss to the
+caller), never a blocked scheduler.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from enum import Enum
+from typing import Protocol, TypeVar
+
+from .config import KVToolConfig
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Mooncake error codes seen on these machines (see ENVIRONMENT.md).
+_NO_SPACE = -200
+_NOT_FOUND = -704
+
+
+class StoreError(Exception):
+    """The store could not answer (unreachable, timed out, failed); callers treat it as a miss."""
+
+
+class PutOutcome(str, Enum):
+    STORED = "stored"
+    NO_SPACE = "no_space"
+    FAILED = "failed"
+
+
+class KVStore(Protocol):
+    def exists(self, keys: Sequence[str]) -> list[bool]: ...
+
+    def get(self, keys: Sequence[str]) -> list[bytes | None]:
+        """Objects for ``keys``; None where the key is missing or its transfer failed."""
+        ...
+
+    def put(self, key: str, value: bytes) -> PutOutcome: ...
+
+    def close(self) -> None: ...
+
+
+class TimedCalls:
+    """Runs store calls on worker threads and gives up on them after a time-out."""
+
+    def __init__(self, name: str, workers: int = 2):
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
+
+    def call(self, fn: Callable[[], T], timeout_s: float, what: str) -> T:
+        future = self._pool.submit(fn)
+        try:
+            return future.result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise StoreError(f"{what} timed out after {timeout_s:.3g} s") from None
+        except StoreError:
+            raise
+        except Exception as exc:  # the client library raises assorted errors; all are misses
+            raise StoreError(f"{what} failed: {exc}") from exc
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class MooncakeStore:
+    """``KVStore`` over ``mooncake.store.MooncakeDistributedStore``."""
+
+    def __init__(self, config: KVToolConfig):
+        self._config = config
+        self._calls = TimedCalls("kvtool-store", workers=4)
+        self._client = self._calls.call(self._connect, config.connect_timeout_s, "connecting to the Mooncake master")
+
+    def _connect(self):
+        from mooncake.store import MooncakeDistributedStore
+
+        client = MooncakeDistributedStore()
+        code = client.setup(
+            self._config.local_hostname,
+            self._config.metadata_server,
+            self._config.global_segment_size,
+            self._config.local_buffer_size,
+            self._config.protocol,
+            self._config.device_name,
+            self._config.master_server_address,
+        )
+        if code != 0:
+            raise StoreError(
+                f"Mooncake setup returned {code} for master {self._config.master_server_address}"
+            )
+        return client
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        if not keys:
+            return []
+        codes = self._calls.call(
+            lambda: self._client.batch_is_exist(list(keys)), self._config.lookup_timeout_s, "existence query"
+        )
+        if len(codes) != len(keys):
+            raise StoreError(f"existence query answered {len(codes)} of {len(keys)} keys")
+        if all(code < 0 for code in codes):
+            raise StoreError(f"existence query failed with code {codes[0]}")
+        return [code == 1 for code in codes]
+
+    def get(self, keys: Sequence[str]) -> list[bytes | None]:
+        if not keys:
+            return []
+        values = self._calls.call(
+            lambda: self._client.get_batch(list(keys)), self._config.load_timeout_s, "object load"
+        )
+        if len(values) != len(keys):
+            raise StoreError(f"object load answered {len(values)} of {len(keys)} keys")
+        # The bytes API answers b"" for a missing key and for a failed transfer alike.
+        return [bytes(value) if value else None for value in values]
+
+    def put(self, key: str, value: bytes) -> PutOutcome:
+        code = self._calls.call(lambda: self._client.put(key, value), self._config.save_timeout_s, "object put")
+        if code == 0:
+            return PutOutcome.STORED
+        if code == _NO_SPACE:
+            return PutOutcome.NO_SPACE
+        logger.debug("kvtool: put of %s returned %s", key, code)
+        return PutOutcome.FAILED
+
+    def remove(self, key: str) -> int:
+        return self._calls.call(lambda: self._client.remove(key), self._config.save_timeout_s, "object remove")
+
+    def close(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            try:
+                self._calls.call(client.close, 5.0, "closing the store client")
+            except StoreError as exc:
+                logger.warning("kvtool: %s", exc)
+        self._calls.shutdown()
+
+
+_shared_lock = threading.Lock()
+_shared: dict[tuple, tuple[MooncakeStore, int]] = {}
+
+
+class SharedStore:
+    """A handle on the process's one Mooncake client for a configuration.
+
+    vLLM may run the scheduler side and the worker side in one process; they share a client (and
+    its segment) instead of lending the store memory twice.
+    """
+
+    def __init__(self, config: KVToolConfig):
+        self._id = (config.master_server_address, config.metadata_server, config.protocol, config.global_segment_size)
+        with _shared_lock:
+            store, users = _shared.get(self._id, (None, 0))
+            if store is None:
+                store = MooncakeStore(config)
+            _shared[self._id] = (store, users + 1)
+        self._store: MooncakeStore | None = store
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        return self._live().exists(keys)
+
+    def get(self, keys: Sequence[str]) -> list[bytes | None]:
+        return self._live().get(keys)
+
+    def put(self, key: str, value: bytes) -> PutOutcome:
+        return self._live().put(key, value)
+
+    def _live(self) -> MooncakeStore:
+        if self._store is None:
+            raise StoreError("the store client is closed")
+        return self._store
+
+    def close(self) -> None:
+        if self._store is None:
+            return
+        self._store = None
+        with _shared_lock:
+            store, users = _shared[self._id]
+            if users > 1:
+                _shared[self._id] = (store, users - 1)
+                return
+            del _shared[self._id]
+        store.close()

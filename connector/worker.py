@@ -1,0 +1,206 @@
+"""Worker side: copies whole physical blocks between vLLM's KV cache and stored objects.
+
+Loads are synchronous, before the forward pass that needs them. Saves copy the blocks into host
+memory at the end of the step that computed them (so a later preemption or block reuse cannot
+change what is stored), then put them from a background thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from .data import BlockTransfer, KVToolMetadata, RequestLoad, RequestSave
+from .keys import KeyKind, Namespace, block_key, tail_key
+from .objects import ObjectHeader, ObjectRejected, encode_object, verify_object
+from .store import KVStore, PutOutcome, StoreError
+
+logger = logging.getLogger("kvtool.connector")
+
+
+@dataclass(frozen=True)
+class _PreparedPut:
+    req_id: str
+    key: str
+    value: bytes
+
+
+class WorkerSide:
+    def __init__(self, namespace: Namespace, store: KVStore | None, *, saves_enabled: bool):
+        self._namespace = namespace
+        self._ns_key = namespace.key_component()
+        self._fingerprint = namespace.fingerprint()
+        self._store = store
+        self._saves_enabled = saves_enabled and store is not None
+        self._layers: list[torch.Tensor] = []
+        self._block_bytes = 0  # bytes of one block across all layers
+        self._invalid_block_ids: set[int] = set()
+        self.stats: Counter[str] = Counter()
+        self._stats_lock = threading.Lock()
+        self._warned: set[str] = set()
+        self._puts: queue.Queue[_PreparedPut | None] = queue.Queue()
+        self._put_thread: threading.Thread | None = None
+
+    # -- set-up -------------------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], layer_names: list[str], num_blocks: int) -> None:
+        layers = []
+        for name in layer_names:
+            tensor = kv_caches.get(name)
+            if tensor is None:
+                raise ValueError(f"no KV cache tensor for layer {name}")
+            if tensor.shape[0] != num_blocks:
+                raise ValueError(
+                    f"layer {name}: KV cache of shape {tuple(tensor.shape)} does not have its {num_blocks} blocks "
+                    "in the first dimension"
+                )
+            layers.append(tensor)
+        self._layers = layers
+        self._block_bytes = sum(t[0].numel() * t.element_size() for t in layers)
+        logger.info(
+            "kvtool: %d layers, per-layer block shape %s %s, %d bytes a block; namespace %s",
+            len(layers),
+            tuple(layers[0].shape[1:]) if layers else (),
+            self._namespace.dtype,
+            self._block_bytes,
+            self._ns_key,
+        )
+        if self._saves_enabled:
+            self._put_thread = threading.Thread(target=self._put_loop, name="kvtool-put", daemon=True)
+            self._put_thread.start()
+
+    @property
+    def ready(self) -> bool:
+        return bool(self._layers) and self._store is not None
+
+    # -- helpers ------------------------------------------------------------------------------------
+
+    def _key(self, transfer: BlockTransfer) -> str:
+        make = block_key if transfer.kind is KeyKind.BLOCK else tail_key
+        return make(self._ns_key, transfer.token_end, transfer.chain_hash)
+
+    def _header(self, transfer: BlockTransfer) -> ObjectHeader:
+        return ObjectHeader(
+            namespace_fingerprint=self._fingerprint,
+            chain_hash=transfer.chain_hash,
+            kind=transfer.kind,
+            dtype=self._namespace.dtype,
+            num_layers=len(self._layers),
+            token_start=transfer.token_start,
+            token_end=transfer.token_end,
+            payload_len=self._block_bytes,
+        )
+
+    def _count(self, name: str, amount: int = 1) -> None:
+        with self._stats_lock:
+            self.stats[name] += amount
+
+    def _warn_once(self, topic: str, message: str) -> None:
+        if topic not in self._warned:
+            self._warned.add(topic)
+            logger.warning(message)
+
+    # -- loads --------------------------------------------------------------------------------------
+
+    def start_load_kv(self, meta: KVToolMetadata) -> None:
+        if not self.ready:
+            # Planned loads must still be reported, or vLLM would use blocks nobody filled.
+            for load in meta.loads:
+                self._invalid_block_ids.update(t.block_id for t in load.transfers)
+            return
+        for load in meta.loads:
+            self._load_request(load)
+
+    def _load_request(self, load: RequestLoad) -> None:
+        assert self._store is not None
+        keys = [self._key(t) for t in load.transfers]
+        try:
+            values = self._store.get(keys)
+        except StoreError as exc:
+            self._fail_from(load, 0, "store_error", str(exc))
+            return
+        for index, (transfer, value) in enumerate(zip(load.transfers, values)):
+            if value is None:
+                self._fail_from(load, index, "missing", f"{keys[index]} could not be read")
+                return
+            try:
+                payload = verify_object(value, self._header(transfer))
+            except ObjectRejected as exc:
+                self._fail_from(load, index, exc.cause, f"{keys[index]}: {exc}")
+                return
+            self._write_block(transfer.block_id, payload)
+            self._count("objects_loaded")
+            self._count("bytes_loaded", len(payload))
+            self._count("tail_objects_loaded" if transfer.kind is KeyKind.TAIL else "block_objects_loaded")
+
+    def _fail_from(self, load: RequestLoad, index: int, cause: str, detail: str) -> None:
+        """Mark the failed block and every later one invalid: vLLM recomputes from the first."""
+        self._invalid_block_ids.update(t.block_id for t in load.transfers[index:])
+        self._count(f"load_failures_{cause}")
+        self._warn_once(f"load-{cause}", f"kvtool: load failed ({cause}), recomputing: {detail}")
+
+    def _write_block(self, block_id: int, payload: memoryview) -> None:
+        offset = 0
+        for layer in self._layers:
+            target = layer[block_id]
+            size = target.numel() * target.element_size()
+            source = torch.frombuffer(payload, dtype=torch.uint8, count=size, offset=offset)
+            target.copy_(source.view(layer.dtype).view(target.shape))
+            offset += size
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        invalid, self._invalid_block_ids = self._invalid_block_ids, set()
+        return invalid
+
+    # -- saves --------------------------------------------------------------------------------------
+
+    def wait_for_save(self, meta: KVToolMetadata) -> None:
+        if not self._saves_enabled or not self.ready:
+            return
+        for save in meta.saves:
+            self._snapshot(save)
+
+    def _snapshot(self, save: RequestSave) -> None:
+        for transfer in save.transfers:
+            payload = self._read_block(transfer.block_id)
+            value = encode_object(self._header(transfer), payload)
+            self._puts.put(_PreparedPut(save.req_id, self._key(transfer), value))
+
+    def _read_block(self, block_id: int) -> bytes:
+        parts = [layer[block_id].contiguous().view(torch.uint8).reshape(-1).numpy().tobytes() for layer in self._layers]
+        return b"".join(parts)
+
+    def _put_loop(self) -> None:
+        while True:
+            item = self._puts.get()
+            if item is None:
+                return
+            try:
+                outcome = self._store.put(item.key, item.value) if self._store is not None else PutOutcome.FAILED
+            except StoreError as exc:
+                outcome = PutOutcome.FAILED
+                self._warn_once("put", f"kvtool: put failed, that prefix stays a miss: {exc}")
+            self._count(f"saves_{outcome.value}")
+            if outcome is PutOutcome.STORED:
+                self._count("bytes_saved", len(item.value))
+            elif outcome is PutOutcome.NO_SPACE:
+                self._warn_once("no-space", "kvtool: the store is full; puts are dropped until it evicts")
+
+    def pending_puts(self) -> int:
+        return self._puts.qsize()
+
+    def take_stats(self) -> dict[str, int]:
+        with self._stats_lock:
+            taken, self.stats = dict(self.stats), Counter()
+        return taken
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        if self._put_thread is not None:
+            self._puts.put(None)
+            self._put_thread.join(timeout=timeout_s)
+            self._put_thread = None

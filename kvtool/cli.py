@@ -1,0 +1,228 @@
+"""kvtool's command line."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kvtool.errors import UserError
+
+app = typer.Typer(
+    name="kvtool",
+    help="Partial-tail KV offload for vLLM over a Mooncake store: serve a producer/consumer pair, bench, inspect.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_show_locals=False,
+)
+
+out = Console()
+err = Console(stderr=True)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def print_user_error(exc: UserError) -> None:
+    # soft_wrap keeps the sentence on one line whatever the terminal width; markup off: paths may hold [].
+    err.print(f"error: {exc.message}", style="bold red", soft_wrap=True, markup=False, highlight=False)
+    if exc.details:
+        err.print(exc.details, style="dim", soft_wrap=True, markup=False, highlight=False)
+
+
+def user_errors_exit(command: F) -> F:
+    """Expected failures leave as one sentence on stderr and an exit code, never a traceback."""
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except UserError as exc:
+            print_user_error(exc)
+            raise typer.Exit(exc.exit_code) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def say(message: str) -> None:
+    err.print(f"[dim]kvtool:[/dim] {message}", soft_wrap=True, highlight=False)
+
+
+@app.command("model")
+@user_errors_exit
+def model_command(
+    size: Annotated[
+        str, typer.Option("--size", help="tiny (2 layers, tests) or bench (12 layers, TTFT benchmarks)")
+    ] = "tiny",
+    path: Annotated[
+        Path | None,
+        typer.Option("--path", help="where to write it \\[default: $KVTOOL_HOME/models/<size>-llama]"),
+    ] = None,
+) -> None:
+    """Generate (once) a random-weight Llama model with its tokenizer and print its directory."""
+    from kvtool.model import ensure_default_model
+
+    out.print(str(ensure_default_model(path, preset=size)), soft_wrap=True, highlight=False)
+
+
+@app.command("serve-pair")
+@user_errors_exit
+def serve_pair_command(
+    model: Annotated[
+        Path | None,
+        typer.Option(
+            help="Hugging Face model directory \\[default: a generated random-weight Llama, see --model-size]"
+        ),
+    ] = None,
+    model_size: Annotated[
+        str, typer.Option(help="preset generated when --model is not given: tiny or bench")
+    ] = "tiny",
+    producer_port: Annotated[int, typer.Option(help="producer vLLM server port on 127.0.0.1")] = 8100,
+    consumer_port: Annotated[int, typer.Option(help="consumer vLLM server port on 127.0.0.1")] = 8200,
+    master_port: Annotated[int, typer.Option(help="RPC port of the mooncake_master kvtool starts")] = 50051,
+    admin_port: Annotated[int, typer.Option(help="the master's metrics/admin HTTP port")] = 9003,
+    master: Annotated[
+        str | None, typer.Option(help="HOST:PORT of a running mooncake_master to use instead of starting one")
+    ] = None,
+    store_port: Annotated[
+        int, typer.Option(help="service port of the standalone store (--store standalone)")
+    ] = 50052,
+    block_size: Annotated[
+        int, typer.Option(help="vLLM KV block size in tokens (a multiple of 32 on the CPU)")
+    ] = 32,
+    hash_unit: Annotated[
+        int, typer.Option(help="tail boundary grid in tokens for the kvtool connector (1 = exact)")
+    ] = 1,
+    store: Annotated[
+        str,
+        typer.Option(
+            help="embedded: each engine lends 256 MiB of segment memory to the store (stored KV dies with its "
+            "engine); standalone: a separate mooncake_client process holds 1 GiB and the engines lend none, "
+            "so stored KV outlives a producer restart"
+        ),
+    ] = "embedded",
+    connector: Annotated[
+        str,
+        typer.Option(
+            help="kvtool (partial-tail connector), vllm-mooncake-store (vLLM's in-tree, whole blocks only) or none"
+        ),
+    ] = "kvtool",
+    log_dir: Annotated[
+        Path | None,
+        typer.Option(help="where the processes' logs go \\[default: ./logs/serve-pair-<timestamp>]"),
+    ] = None,
+    ready_file: Annotated[
+        Path | None,
+        typer.Option(help="once all are healthy, write their addresses here as JSON; removed on exit"),
+    ] = None,
+    smoke: Annotated[
+        bool, typer.Option("--smoke", help="run one producer-then-consumer check, print it, stop")
+    ] = False,
+    kv_cache_gib: Annotated[
+        float, typer.Option(help="KV cache per engine, GiB (VLLM_CPU_KVCACHE_SPACE)")
+    ] = 1.0,
+    memory_utilization: Annotated[
+        float,
+        typer.Option(help="--gpu-memory-utilization per engine; small because two engines start together"),
+    ] = 0.3,
+    dtype: Annotated[
+        str, typer.Option(help="vLLM --dtype (float32 keeps logprob comparisons exact)")
+    ] = "float32",
+    enforce_eager: Annotated[
+        bool, typer.Option(help="pass --enforce-eager to vLLM (no compilation)")
+    ] = False,
+    startup_timeout: Annotated[
+        float, typer.Option(help="seconds to wait for both servers to be healthy")
+    ] = 300.0,
+) -> None:
+    """Start a Mooncake master, a producer and a consumer vLLM server on 127.0.0.1 and keep them running.
+
+    Stops everything on Ctrl-C, on SIGTERM or when one process dies (exit 130 for a signal, 1 for a death).
+    """
+    from pydantic import ValidationError
+
+    from kvtool.model import ensure_default_model
+    from kvtool.serve_pair import ServePairConfig, default_log_dir, run_pair
+    from kvtool.smoke import run_smoke
+
+    choices = {
+        "store": (store, ("embedded", "standalone")),
+        "connector": (connector, ("kvtool", "vllm-mooncake-store", "none")),
+    }
+    for flag, (value, allowed) in choices.items():
+        if value not in allowed:
+            raise UserError(f"--{flag} {value!r} is not one of: {', '.join(allowed)}")
+    if model is None:
+        say(f"no --model given; using the generated {model_size} model")
+        model = ensure_default_model(preset=model_size)
+    chosen_log_dir = (log_dir or default_log_dir()).resolve()
+    try:
+        cfg = ServePairConfig(
+            model=model.expanduser().resolve(),
+            producer_port=producer_port,
+            consumer_port=consumer_port,
+            master_port=master_port,
+            admin_port=admin_port,
+            external_master=master,
+            store_port=store_port,
+            block_size=block_size,
+            hash_unit=hash_unit,
+            store=store,
+            connector=connector,
+            log_dir=chosen_log_dir,
+            ready_file=ready_file.resolve() if ready_file else None,
+            kv_cache_gib=kv_cache_gib,
+            memory_utilization=memory_utilization,
+            dtype=dtype,
+            enforce_eager=enforce_eager,
+            startup_timeout_s=startup_timeout,
+        )
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        flag = "--" + str(first["loc"][0]).replace("_", "-")
+        raise UserError(f"{flag}: {first['msg']}") from None
+
+    def on_ready(info: dict[str, Any]) -> None:
+        table = Table(title="kvtool serve-pair")
+        table.add_column("process")
+        table.add_column("pid", justify="right")
+        table.add_column("address")
+        table.add_column("log")
+        addresses = {
+            "master": f"{info['master']} (admin {info['admin']})",
+            "store": info.get("store_address") or "",
+            "producer": info["producer"],
+            "consumer": info["consumer"],
+        }
+        for name, pid in info["pids"].items():
+            table.add_row(name, str(pid), addresses.get(name, ""), str(Path(info["log_dir"]) / f"{name}.log"))
+        out.print(table)
+        out.print(
+            f"model: {info['model']}\nconnector: {info['connector']}  store: {info['store']}  "
+            f"block size: {info['block_size']}  hash unit: {info['hash_unit']}",
+            soft_wrap=True,
+            highlight=False,
+        )
+        if not smoke:
+            say("serving; Ctrl-C stops everything")
+
+    code = run_pair(cfg, say, on_ready, smoke=(lambda info: run_smoke(info, out)) if smoke else None)
+    if code:
+        raise typer.Exit(code)
+
+
+def main() -> None:
+    try:
+        app()  # standalone: usage errors exit 2, Ctrl-C outside serve-pair's own handling exits 130
+    except UserError as exc:  # raised outside a command, e.g. while parsing
+        print_user_error(exc)
+        sys.exit(exc.exit_code)
+
+
+if __name__ == "__main__":
+    main()

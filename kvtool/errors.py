@@ -1,0 +1,29 @@
+"""Errors that kvtool's CLI turns into one sentence on stderr and an exit code."""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_RUNTIME = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+
+class UserError(Exception):
+    """Something the user can fix: the message says what is wrong and what to do.
+
+    Printed as is (no traceback); exit_code 2 for bad input, 1 for a failed run.
+    """
+
+    def __init__(self, message: str, exit_code: int = EXIT_USAGE, details: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+        self.exit_code = exit_code
+        # Extra lines (e.g. a log's tail) shown below the message; empty for plain usage errors.
+        self.details = details
+
+
+class ServerError(UserError):
+    """A process kvtool started failed or died; the message points at its log."""
+
+    def __init__(self, message: str, details: str = "") -> None:
+        super().__init__(message, exit_code=EXIT_RUNTIME, details=details)

@@ -1,0 +1,231 @@
+"""Starting, watching and stopping the server processes kvtool runs, without leaving orphans.
+
+Each child runs in its own session (process group), so a terminal's Ctrl-C reaches only kvtool,
+which then stops the children in reverse start order and waits for their whole groups (a vLLM
+server's engine core is a grandchild). Children also get SIGTERM from the kernel if kvtool
+itself dies (PR_SET_PDEATHSIG), so even a SIGKILLed kvtool leaves nothing running.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from kvtool.errors import ServerError, UserError
+
+LOOPBACK = "127.0.0.1"
+_PR_SET_PDEATHSIG = 1
+
+
+def ensure_port_free(port: int, flag: str, host: str = LOOPBACK) -> None:
+    """Raise a UserError naming the flag that chooses `port` when something already holds it."""
+    if not 0 < port < 65536:
+        raise UserError(f"{flag} {port} is not a TCP port; pick one between 1 and 65535")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        # Servers set SO_REUSEADDR too, so a port left in TIME_WAIT by an earlier run counts as free.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            if exc.errno in (errno.EADDRINUSE, errno.EACCES):
+                raise UserError(
+                    f"port {port} is already in use on {host}; pick another with {flag}"
+                ) from None
+            raise
+
+
+def find_free_port(host: str = LOOPBACK) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+def tcp_port_open(port: int, host: str = LOOPBACK, timeout: float = 0.5) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def http_ok(url: str, timeout: float = 2.0) -> bool:
+    try:
+        return httpx.get(url, timeout=timeout).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def log_tail(path: Path, lines: int = 15) -> str:
+    try:
+        with open(path, errors="replace") as log:
+            return "".join(deque(log, maxlen=lines)).rstrip()
+    except OSError:
+        return ""
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass  # not Linux: stop_all() is the only guard
+
+
+@dataclass
+class ReadinessCheck:
+    """How to tell a process is ready: an HTTP URL answering 200, or a TCP port accepting connections."""
+
+    http_url: str | None = None
+    tcp_port: int | None = None
+
+    def passes(self) -> bool:
+        if self.http_url is not None:
+            return http_ok(self.http_url)
+        if self.tcp_port is not None:
+            return tcp_port_open(self.tcp_port)
+        return True
+
+    def describe(self) -> str:
+        return self.http_url or (f"{LOOPBACK}:{self.tcp_port}" if self.tcp_port else "start")
+
+
+@dataclass
+class ManagedProcess:
+    name: str
+    argv: list[str]
+    log_path: Path
+    popen: subprocess.Popen
+    readiness: ReadinessCheck = field(default_factory=ReadinessCheck)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def exit_code(self) -> int | None:
+        return self.popen.poll()
+
+    def died_error(self, while_doing: str = "") -> ServerError:
+        code = self.exit_code()
+        when = f" {while_doing}" if while_doing else ""
+        tail = log_tail(self.log_path)
+        return ServerError(
+            f"{self.name} (pid {self.pid}) exited with code {code}{when}; see {self.log_path}",
+            details=tail,
+        )
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether any non-zombie process is still in the group (zombies wait on a reaper, not on us)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = Path(entry.path, "stat").read_text()
+            except OSError:
+                continue
+            fields = stat.rsplit(")", 1)[1].split()  # the command name may contain spaces
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                return True
+        return False
+    except OSError:
+        return True
+
+
+def stop_process(proc: ManagedProcess, grace_s: float = 15.0) -> None:
+    """SIGTERM the process's group, wait up to grace_s, then SIGKILL whatever is left."""
+    pgid = proc.pid  # start_new_session makes the child its group's leader
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            pass
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if proc.popen.poll() is not None and not _group_alive(pgid):
+                return
+            time.sleep(0.1)
+    proc.popen.poll()
+
+
+class ProcessSet:
+    """The processes of one kvtool run; stop_all() stops them in reverse start order.
+
+    Start processes from the main thread: PR_SET_PDEATHSIG fires when the *thread* that forked exits.
+    """
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.processes: list[ManagedProcess] = []
+
+    def start(
+        self,
+        name: str,
+        argv: list[str],
+        env: dict[str, str] | None = None,
+        readiness: ReadinessCheck | None = None,
+        cwd: Path | None = None,
+    ) -> ManagedProcess:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.log_dir / f"{name}.log"
+        with open(log_path, "ab") as log:
+            try:
+                popen = subprocess.Popen(
+                    argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    cwd=cwd,
+                    start_new_session=True,
+                    preexec_fn=_die_with_parent,  # noqa: PLW1509 (no threads fork here)
+                )
+            except FileNotFoundError:
+                raise UserError(
+                    f"{argv[0]} was not found; install it (scripts/setup) or put it on PATH", exit_code=1
+                ) from None
+        proc = ManagedProcess(name, argv, log_path, popen, readiness or ReadinessCheck())
+        self.processes.append(proc)
+        return proc
+
+    def first_dead(self) -> ManagedProcess | None:
+        return next((p for p in self.processes if p.exit_code() is not None), None)
+
+    def wait_ready(self, procs: list[ManagedProcess], timeout_s: float, poll_s: float = 0.5) -> None:
+        """Wait until every process in procs passes its readiness check, failing fast if one dies."""
+        pending = list(procs)
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            dead = self.first_dead()
+            if dead is not None:
+                raise dead.died_error("before it was ready")
+            pending = [p for p in pending if not p.readiness.passes()]
+            if not pending:
+                return
+            if time.monotonic() > deadline:
+                slow = pending[0]
+                raise ServerError(
+                    f"{slow.name} was not ready at {slow.readiness.describe()} after {timeout_s:.0f} s; "
+                    f"see {slow.log_path}",
+                    details=log_tail(slow.log_path),
+                )
+            time.sleep(poll_s)
+
+    def stop_all(self, grace_s: float = 15.0) -> None:
+        while self.processes:
+            stop_process(self.processes.pop(), grace_s)

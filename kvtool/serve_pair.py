@@ -1,0 +1,502 @@
+"""A producer and a consumer vLLM server sharing KV through a loopback Mooncake store.
+
+Pure builders (kv-transfer configs, argv, env, ready-file content) are separate from run_pair(),
+which starts the processes, so tests and the benchmark can reuse the builders.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import shutil
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvtool.errors import EXIT_INTERRUPTED, ServerError, UserError
+from kvtool.procs import LOOPBACK, ManagedProcess, ProcessSet, ReadinessCheck, ensure_port_free, tcp_port_open
+
+ConnectorChoice = Literal["kvtool", "vllm-mooncake-store", "none"]
+StoreChoice = Literal["embedded", "standalone"]
+Role = Literal["producer", "consumer"]
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+MiB = 1 << 20
+GiB = 1 << 30
+
+KVTOOL_CONNECTOR_CLASS = "KVToolConnector"
+KVTOOL_CONNECTOR_MODULE = "connector.connector"
+VLLM_STORE_CONNECTOR_CLASS = "MooncakeStoreConnector"
+CPU_BLOCK_MULTIPLE = 32  # vLLM's CPU attention backend only takes multiples of 32
+
+
+class ServePairConfig(BaseModel):
+    """Everything `kvtool serve-pair` needs; one object, validated once."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: Path
+    producer_port: int = 8100
+    consumer_port: int = 8200
+    master_port: int = 50051
+    admin_port: int = 9003
+    external_master: str | None = None  # host:port of a master kvtool does not start
+    store_port: int = 50052  # the standalone mooncake_client's service port
+    block_size: int = Field(default=32, gt=0)
+    hash_unit: int = Field(default=1, gt=0)
+    store: StoreChoice = "embedded"
+    connector: ConnectorChoice = "kvtool"
+    log_dir: Path
+    ready_file: Path | None = None
+    dtype: str = "float32"  # vLLM's "auto" would downcast the float32 test models to bf16
+    max_model_len: int = 2048
+    kv_cache_gib: float = 1.0  # VLLM_CPU_KVCACHE_SPACE per engine
+    memory_utilization: float = 0.3  # --gpu-memory-utilization per engine; two start side by side
+    enforce_eager: bool = False
+    segment_bytes: int = 256 * MiB  # what each engine lends the store (embedded)
+    local_buffer_bytes: int = 64 * MiB
+    store_segment_bytes: int = 1 * GiB  # what the standalone store holds
+    startup_timeout_s: float = 300.0
+
+    @property
+    def uses_mooncake(self) -> bool:
+        return self.connector != "none"
+
+    @property
+    def starts_master(self) -> bool:
+        return self.uses_mooncake and self.external_master is None
+
+    @property
+    def starts_store(self) -> bool:
+        return self.uses_mooncake and self.store == "standalone"
+
+    @property
+    def master_address(self) -> str | None:
+        if not self.uses_mooncake:
+            return None
+        return self.external_master or f"{LOOPBACK}:{self.master_port}"
+
+    @property
+    def engine_segment_bytes(self) -> int:
+        # With a standalone store the engines only use it; its owner outlives a producer restart.
+        return 0 if self.store == "standalone" else self.segment_bytes
+
+    def port(self, role: Role) -> int:
+        return self.producer_port if role == "producer" else self.consumer_port
+
+    def base_url(self, role: Role) -> str:
+        return f"http://{LOOPBACK}:{self.port(role)}"
+
+
+# ---- kv-transfer configuration -------------------------------------------------------------
+
+
+def kvtool_extra_config(
+    master_address: str,
+    hash_unit: int = 1,
+    global_segment_size: int = 256 * MiB,
+    local_buffer_size: int = 64 * MiB,
+) -> dict[str, Any]:
+    """The kvtool connector's kv_connector_extra_config (validated by connector.config)."""
+    return {
+        "master_server_address": master_address,
+        "metadata_server": "P2PHANDSHAKE",
+        "protocol": "tcp",
+        "local_hostname": LOOPBACK,
+        "global_segment_size": global_segment_size,
+        "local_buffer_size": local_buffer_size,
+        "hash_unit": hash_unit,
+    }
+
+
+def vllm_mooncake_file_config(
+    master_address: str, global_segment_size: int = 256 * MiB, local_buffer_size: int = 64 * MiB
+) -> dict[str, Any]:
+    """The JSON that MOONCAKE_CONFIG_PATH names for vLLM's in-tree MooncakeStoreConnector."""
+    config: dict[str, Any] = {
+        "local_hostname": LOOPBACK,
+        "metadata_server": "P2PHANDSHAKE",
+        "global_segment_size": global_segment_size,
+        "local_buffer_size": local_buffer_size,
+        "protocol": "tcp",
+        "device_name": "",
+        "master_server_address": master_address,
+    }
+    if global_segment_size == 0:
+        config["mode"] = "standalone-store"  # vLLM refuses a zero segment in its default "embedded" mode
+    return config
+
+
+def kv_transfer_config(cfg: ServePairConfig, role: Role) -> dict[str, Any] | None:
+    kv_role = "kv_producer" if role == "producer" else "kv_consumer"
+    if cfg.connector == "none":
+        return None
+    # A failed load recomputes instead of failing the request: a store is a cache, not a source of truth.
+    if cfg.connector == "vllm-mooncake-store":
+        return {
+            "kv_connector": VLLM_STORE_CONNECTOR_CLASS,
+            "kv_role": kv_role,
+            "kv_load_failure_policy": "recompute",
+        }
+    assert cfg.master_address is not None
+    return {
+        "kv_connector": KVTOOL_CONNECTOR_CLASS,
+        "kv_connector_module_path": KVTOOL_CONNECTOR_MODULE,
+        "kv_role": kv_role,
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": kvtool_extra_config(
+            cfg.master_address, cfg.hash_unit, cfg.engine_segment_bytes, cfg.local_buffer_bytes
+        ),
+    }
+
+
+def mooncake_config_path(cfg: ServePairConfig) -> Path:
+    return cfg.log_dir / "mooncake-store.json"
+
+
+# ---- process command lines -----------------------------------------------------------------
+
+
+def find_binary(name: str) -> str:
+    """A Mooncake binary from the running venv first (not always on PATH), then from PATH."""
+    beside_python = Path(sys.executable).parent / name
+    if beside_python.is_file() and os.access(beside_python, os.X_OK):
+        return str(beside_python)
+    found = shutil.which(name)
+    if found is None:
+        raise UserError(
+            f"{name} was not found next to {sys.executable} or on PATH; run scripts/setup "
+            "(it installs mooncake-transfer-engine-non-cuda)",
+            exit_code=1,
+        )
+    return found
+
+
+def master_argv(cfg: ServePairConfig, binary: str = "mooncake_master") -> list[str]:
+    return [
+        binary,
+        f"--rpc_address={LOOPBACK}",
+        f"--rpc_port={cfg.master_port}",
+        f"--metrics_host={LOOPBACK}",
+        f"--metrics_port={cfg.admin_port}",
+        # Its HTTP metadata server would bind every interface; P2PHANDSHAKE needs none.
+        "--enable_http_metadata_server=false",
+        "--logtostderr=true",
+    ]
+
+
+def store_argv(cfg: ServePairConfig, binary: str = "mooncake_client") -> list[str]:
+    assert cfg.master_address is not None
+    return [
+        binary,
+        f"--host={LOOPBACK}",
+        f"--port={cfg.store_port}",
+        f"--master_server_address={cfg.master_address}",
+        "--metadata_server=P2PHANDSHAKE",
+        "--protocol=tcp",
+        f"--global_segment_size={cfg.store_segment_bytes}",
+        f"--local_buffer_size={16 * MiB}",
+        "--logtostderr=true",
+    ]
+
+
+def engine_argv(cfg: ServePairConfig, role: Role, python: str = sys.executable) -> list[str]:
+    argv = [
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(cfg.model),
+        "--host",
+        LOOPBACK,
+        "--port",
+        str(cfg.port(role)),
+        "--block-size",
+        str(cfg.block_size),
+        "--max-model-len",
+        str(cfg.max_model_len),
+        "--dtype",
+        cfg.dtype,
+        "--gpu-memory-utilization",
+        str(cfg.memory_utilization),
+        "--enable-prompt-tokens-details",
+    ]
+    if cfg.enforce_eager:
+        argv.append("--enforce-eager")
+    transfer = kv_transfer_config(cfg, role)
+    if transfer is not None:
+        argv += ["--kv-transfer-config", json.dumps(transfer, separators=(",", ":"))]
+    return argv
+
+
+def cpu_halves(cpus: list[int] | None = None) -> tuple[str, str]:
+    """OMP core lists for the producer and the consumer: two disjoint halves of the usable cores."""
+    if cpus is None:
+        cpus = (
+            sorted(os.sched_getaffinity(0))
+            if hasattr(os, "sched_getaffinity")
+            else list(range(os.cpu_count() or 1))
+        )
+    if len(cpus) < 2:
+        return "all", "all"
+    half = len(cpus) // 2
+    return ",".join(map(str, cpus[:half])), ",".join(map(str, cpus[half:]))
+
+
+def engine_env(cfg: ServePairConfig, role: Role, base: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    producer_cpus, consumer_cpus = cpu_halves()
+    env.update(
+        {
+            # Without these vLLM's and Mooncake's sockets advertise the machine's LAN address.
+            "VLLM_HOST_IP": LOOPBACK,
+            "MC_TCP_BIND_ADDRESS": LOOPBACK,
+            "VLLM_CPU_KVCACHE_SPACE": f"{cfg.kv_cache_gib:g}",
+            "VLLM_CPU_OMP_THREADS_BIND": producer_cpus if role == "producer" else consumer_cpus,
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p),
+        }
+    )
+    if cfg.connector == "vllm-mooncake-store":
+        env["MOONCAKE_CONFIG_PATH"] = str(mooncake_config_path(cfg))
+    else:
+        # The kvtool connector also reads this file; one inherited from the shell must not change its config.
+        env.pop("MOONCAKE_CONFIG_PATH", None)
+    return env
+
+
+def mooncake_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    env["MC_TCP_BIND_ADDRESS"] = LOOPBACK
+    return env
+
+
+# ---- checks before starting ----------------------------------------------------------------
+
+
+def _is_cpu_vllm() -> bool:
+    try:
+        importlib.metadata.version("vllm-cpu")
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+def _parse_host_port(address: str, flag: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UserError(f"{flag} {address!r} is not HOST:PORT; give it like 127.0.0.1:50051")
+    return host, int(port)
+
+
+def preflight(cfg: ServePairConfig) -> None:
+    """Turn every foreseeable start-up failure into one UserError sentence before anything starts."""
+    if not cfg.model.exists():
+        raise UserError(
+            f"model path {cfg.model} does not exist; pass a Hugging Face model directory with --model"
+        )
+    if not (cfg.model / "config.json").is_file():
+        raise UserError(f"{cfg.model} has no config.json; --model must name a Hugging Face model directory")
+    if _is_cpu_vllm() and cfg.block_size % CPU_BLOCK_MULTIPLE:
+        raise UserError(
+            f"--block-size {cfg.block_size} is not supported by vLLM's CPU attention backend; "
+            f"use a multiple of {CPU_BLOCK_MULTIPLE}"
+        )
+    if cfg.hash_unit > cfg.block_size:
+        raise UserError(
+            f"--hash-unit {cfg.hash_unit} is larger than --block-size {cfg.block_size}; use 1..{cfg.block_size}"
+        )
+    if cfg.connector == "none" and cfg.store == "standalone":
+        raise UserError("--store standalone needs a connector; drop it or pick --connector kvtool")
+
+    ports: list[tuple[int, str]] = [
+        (cfg.producer_port, "--producer-port"),
+        (cfg.consumer_port, "--consumer-port"),
+    ]
+    if cfg.starts_master:
+        ports += [(cfg.master_port, "--master-port"), (cfg.admin_port, "--admin-port")]
+    if cfg.starts_store:
+        ports.append((cfg.store_port, "--store-port"))
+    seen: dict[int, str] = {}
+    for port, flag in ports:
+        if port in seen:
+            raise UserError(f"{seen[port]} and {flag} are both {port}; give each its own port")
+        seen[port] = flag
+    for port, flag in ports:
+        ensure_port_free(port, flag)
+
+    if cfg.external_master is not None:
+        host, port = _parse_host_port(cfg.external_master, "--master")
+        if not tcp_port_open(port, host):
+            raise UserError(
+                f"no Mooncake master answers at {cfg.external_master}; start one or drop --master"
+            )
+    if cfg.starts_master:
+        find_binary("mooncake_master")
+    if cfg.starts_store:
+        find_binary("mooncake_client")
+
+
+# ---- ready file ----------------------------------------------------------------------------
+
+
+def ready_info(cfg: ServePairConfig, pids: dict[str, int], admin_url: str | None) -> dict[str, Any]:
+    return {
+        "producer": cfg.base_url("producer"),
+        "consumer": cfg.base_url("consumer"),
+        "master": cfg.master_address,
+        "admin": admin_url,
+        "model": str(cfg.model),
+        "block_size": cfg.block_size,
+        "hash_unit": cfg.hash_unit,
+        "connector": cfg.connector,
+        "store": cfg.store if cfg.uses_mooncake else None,
+        "store_address": f"{LOOPBACK}:{cfg.store_port}" if cfg.starts_store else None,
+        "log_dir": str(cfg.log_dir),
+        "pids": pids,
+    }
+
+
+def write_json_atomically(path: Path, content: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    staging.write_text(json.dumps(content, indent=2) + "\n")
+    os.replace(staging, path)
+
+
+def default_log_dir() -> Path:
+    return Path.cwd() / "logs" / f"serve-pair-{datetime.now():%Y%m%d-%H%M%S}"
+
+
+# ---- running -------------------------------------------------------------------------------
+
+
+class Interrupted(Exception):
+    def __init__(self, signal_name: str) -> None:
+        super().__init__(signal_name)
+        self.signal_name = signal_name
+
+
+@contextmanager
+def signals_raise_interrupted() -> Iterator[None]:
+    """SIGINT and SIGTERM raise Interrupted; the cleanup that follows runs with both ignored."""
+
+    def handler(signum: int, _frame: object) -> None:
+        raise Interrupted(signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig in previous:
+            signal.signal(sig, signal.SIG_IGN)
+
+
+def _restore_default_signals() -> None:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+Reporter = Callable[[str], None]
+
+
+def start_pair(cfg: ServePairConfig, procs: ProcessSet, say: Reporter) -> dict[str, ManagedProcess]:
+    """Start master, store and both engines (the engines side by side) and wait until all are ready."""
+    started: dict[str, ManagedProcess] = {}
+    if cfg.connector == "vllm-mooncake-store":
+        assert cfg.master_address is not None
+        write_json_atomically(
+            mooncake_config_path(cfg),
+            vllm_mooncake_file_config(cfg.master_address, cfg.engine_segment_bytes, cfg.local_buffer_bytes),
+        )
+    if cfg.starts_master:
+        say(f"starting mooncake_master on {cfg.master_address} (admin http://{LOOPBACK}:{cfg.admin_port})")
+        started["master"] = procs.start(
+            "master",
+            master_argv(cfg, find_binary("mooncake_master")),
+            env=mooncake_env(),
+            readiness=ReadinessCheck(http_url=f"http://{LOOPBACK}:{cfg.admin_port}/health"),
+        )
+        procs.wait_ready([started["master"]], timeout_s=30)
+    if cfg.starts_store:
+        say(f"starting the standalone store (mooncake_client) on {LOOPBACK}:{cfg.store_port}")
+        started["store"] = procs.start(
+            "store",
+            store_argv(cfg, find_binary("mooncake_client")),
+            env=mooncake_env(),
+            readiness=ReadinessCheck(tcp_port=cfg.store_port),
+        )
+        procs.wait_ready([started["store"]], timeout_s=60)
+    for role in ("producer", "consumer"):
+        started[role] = procs.start(
+            role,
+            engine_argv(cfg, role),
+            env=engine_env(cfg, role),
+            readiness=ReadinessCheck(http_url=cfg.base_url(role) + "/health"),
+            cwd=REPO_ROOT,
+        )
+    say(f"starting producer and consumer vLLM servers (about a minute; logs in {cfg.log_dir})")
+    began = time.monotonic()
+    procs.wait_ready([started["producer"], started["consumer"]], timeout_s=cfg.startup_timeout_s)
+    say(f"all healthy after {time.monotonic() - began:.0f} s")
+    return started
+
+
+def admin_url_for(cfg: ServePairConfig) -> str | None:
+    if cfg.starts_master:
+        return f"http://{LOOPBACK}:{cfg.admin_port}"
+    return None
+
+
+def run_pair(
+    cfg: ServePairConfig,
+    say: Reporter,
+    on_ready: Callable[[dict[str, Any]], None],
+    smoke: Callable[[dict[str, Any]], None] | None = None,
+) -> int:
+    """Run until interrupted, until a process dies, or (with smoke) until the smoke check ends."""
+    preflight(cfg)
+    cfg.log_dir.mkdir(parents=True, exist_ok=True)
+    procs = ProcessSet(cfg.log_dir)
+    try:
+        with signals_raise_interrupted():
+            started = start_pair(cfg, procs, say)
+            info = ready_info(cfg, {name: p.pid for name, p in started.items()}, admin_url_for(cfg))
+            if cfg.ready_file is not None:
+                write_json_atomically(cfg.ready_file, info)
+            on_ready(info)
+            if smoke is not None:
+                try:
+                    smoke(info)
+                except ServerError:
+                    dead = procs.first_dead()
+                    if dead is not None:
+                        raise dead.died_error("during the smoke check") from None
+                    raise
+                return 0
+            while True:
+                dead = procs.first_dead()
+                if dead is not None:
+                    raise dead.died_error("while serving; stopping the others")
+                time.sleep(0.5)
+    except Interrupted as exc:
+        say(f"{exc.signal_name} received; stopping")
+        return EXIT_INTERRUPTED
+    finally:
+        if cfg.ready_file is not None:
+            cfg.ready_file.unlink(missing_ok=True)
+        if procs.processes:
+            say("stopping " + ", ".join(p.name for p in reversed(procs.processes)))
+        procs.stop_all()
+        _restore_default_signals()

@@ -1,0 +1,125 @@
+from hypothesis import given
+from hypothesis import strategies as st
+
+from connector.hashing import (
+    HASH_BYTES,
+    RequestIdentity,
+    block_hashes,
+    save_tail_boundary,
+    tail_boundaries,
+    tail_hash,
+)
+
+ROOT = RequestIdentity().root_hash()
+tokens_st = st.lists(st.integers(min_value=0, max_value=2**32 - 1), max_size=200)
+block_size_st = st.sampled_from([1, 2, 16, 32, 64])
+
+
+def test_hashes_are_128_bits_and_deterministic():
+    tokens = list(range(100))
+    first = block_hashes(tokens, 32, ROOT)
+    assert len(first) == 3
+    assert all(len(h) == HASH_BYTES for h in first)
+    assert first == block_hashes(tokens, 32, RequestIdentity().root_hash())
+
+
+def test_known_vector_is_stable():
+    # Changing this value changes every key in every store: bump the key schema version with it.
+    assert block_hashes(list(range(32)), 32, ROOT)[0].hex() == KNOWN_BLOCK0
+
+
+KNOWN_BLOCK0 = "eef25122a88b73aff5d234906c1737c7"
+
+
+@given(tokens=tokens_st, block_size=block_size_st)
+def test_block_hashes_chain_over_prefixes(tokens, block_size):
+    hashes = block_hashes(tokens, block_size, ROOT)
+    assert len(hashes) == len(tokens) // block_size
+    for cut in range(len(hashes)):
+        assert block_hashes(tokens[: (cut + 1) * block_size], block_size, ROOT) == hashes[: cut + 1]
+
+
+@given(tokens=st.lists(st.integers(0, 1000), min_size=2, max_size=96), position=st.integers(0, 95))
+def test_a_changed_token_changes_every_later_hash(tokens, position):
+    position %= len(tokens)
+    changed = list(tokens)
+    changed[position] += 1
+    before, after = block_hashes(tokens, 16, ROOT), block_hashes(changed, 16, ROOT)
+    first_affected = position // 16
+    assert before[:first_affected] == after[:first_affected]
+    assert all(b != a for b, a in zip(before[first_affected:], after[first_affected:]))
+
+
+def test_identity_separates_salts_loras_and_multimodal_inputs():
+    roots = {
+        RequestIdentity().root_hash(),
+        RequestIdentity(cache_salt="").root_hash(),
+        RequestIdentity(cache_salt="alice").root_hash(),
+        RequestIdentity(cache_salt="bob").root_hash(),
+        RequestIdentity(lora_name="alice").root_hash(),
+        RequestIdentity(mm_hashes=("img1",)).root_hash(),
+    }
+    assert len(roots) == 6
+
+
+def test_tail_hash_differs_from_block_hash_over_same_tokens():
+    tokens = list(range(32))
+    # A "tail" of 31 tokens and the block of 32 cannot collide, nor can tails of other lengths.
+    tails = {tail_hash(tokens, b, 32, ROOT) for b in range(1, 32)}
+    assert len(tails) == 31
+    assert block_hashes(tokens, 32, ROOT)[0] not in tails
+
+
+def test_tail_hash_rejects_aligned_and_out_of_range_boundaries():
+    import pytest
+
+    with pytest.raises(ValueError):
+        tail_hash(list(range(64)), 32, 32, ROOT)
+    with pytest.raises(ValueError):
+        tail_hash(list(range(10)), 11, 32, ROOT)
+
+
+@given(tokens=st.lists(st.integers(0, 50), min_size=40, max_size=90), boundary=st.integers(33, 63))
+def test_tail_hash_depends_only_on_its_prefix(tokens, boundary):
+    boundary = min(boundary, len(tokens))
+    if boundary % 32 == 0:
+        return
+    parent = block_hashes(tokens, 32, ROOT)[0]
+    extended = tokens + [7, 8, 9]
+    assert tail_hash(tokens, boundary, 32, parent) == tail_hash(extended, boundary, 32, parent)
+
+
+@given(block_index=st.integers(0, 10), block_size=block_size_st, unit=st.integers(1, 40), limit=st.integers(0, 800))
+def test_tail_boundaries_lie_inside_the_block_on_the_grid(block_index, block_size, unit, limit):
+    start = block_index * block_size
+    found = tail_boundaries(block_index, block_size, unit, limit)
+    assert found == sorted(found)
+    for boundary in found:
+        assert start < boundary < start + block_size
+        assert boundary % unit == 0
+        assert boundary <= limit
+
+
+def test_tail_boundaries_token_exact():
+    assert tail_boundaries(0, 32, 1, 20) == list(range(1, 21))
+    assert tail_boundaries(2, 32, 1, 85) == list(range(65, 86))
+    assert tail_boundaries(2, 32, 8, 1000) == [72, 80, 88]
+
+
+@given(num_tokens=st.integers(0, 600), block_size=block_size_st, unit=st.integers(1, 64))
+def test_save_tail_boundary(num_tokens, block_size, unit):
+    boundary = save_tail_boundary(num_tokens, block_size, unit)
+    if boundary is None:
+        return
+    assert boundary <= num_tokens
+    assert boundary % unit == 0
+    assert boundary % block_size != 0
+    assert boundary // block_size == num_tokens // block_size
+
+
+def test_save_tail_boundary_examples():
+    assert save_tail_boundary(20, 32, 1) == 20
+    assert save_tail_boundary(85, 32, 1) == 85
+    assert save_tail_boundary(64, 32, 1) is None
+    assert save_tail_boundary(85, 32, 16) == 80
+    assert save_tail_boundary(70, 32, 16) is None

@@ -1,0 +1,153 @@
+"""Lookup and save planning against a dict-backed key set (pure logic, no store)."""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from connector.hashing import RequestIdentity
+from connector.keys import KeyKind
+from connector.prefix import PromptKeys, find_stored_prefix, plan_load, plan_save
+
+B = 32
+ROOT = RequestIdentity().root_hash()
+
+
+def keys_for(tokens, unit=1, root=ROOT):
+    return PromptKeys.build(tokens, B, unit, "0123456789abcdef", root)
+
+
+class KeySet:
+    def __init__(self):
+        self.keys: set[str] = set()
+        self.queries: list[int] = []
+
+    def publish(self, tokens, unit=1, root=ROOT):
+        self.keys.update(s.key for s in plan_save(keys_for(tokens, unit, root)))
+
+    def exists(self, keys):
+        self.queries.append(len(keys))
+        return [k in self.keys for k in keys]
+
+
+def hit(store, tokens, local=0, unit=1, root=ROOT):
+    keys = keys_for(tokens, unit, root)
+    return plan_load(keys, find_stored_prefix(keys, store.exists), local)
+
+
+PROMPT = list(range(1000, 1200))
+
+
+def test_sub_block_prompt_extended_hits_the_whole_prompt_as_tail():
+    store = KeySet()
+    store.publish(PROMPT[:20])
+    plan = hit(store, PROMPT[:50])
+    assert (plan.external_tokens, plan.block_tokens, plan.tail_tokens) == (20, 0, 20)
+    assert [o.kind for o in plan.objects] == [KeyKind.TAIL]
+
+
+def test_cross_block_prompt_extended_hits_blocks_plus_tail():
+    store = KeySet()
+    store.publish(PROMPT[:85])
+    plan = hit(store, PROMPT[:120])
+    assert (plan.external_tokens, plan.block_tokens, plan.tail_tokens) == (85, 64, 21)
+    assert [o.kind for o in plan.objects] == [KeyKind.BLOCK, KeyKind.BLOCK, KeyKind.TAIL]
+    assert store.queries == [3 + 24, 31]  # blocks + last-block tails, then the tails of block 2
+
+
+def test_repeated_prompt_hits_in_one_query_leaving_one_token():
+    store = KeySet()
+    store.publish(PROMPT[:85])
+    plan = hit(store, PROMPT[:85])
+    assert plan.external_tokens == 84
+    assert len(store.queries) == 1
+
+
+def test_local_blocks_are_never_claimed():
+    store = KeySet()
+    store.publish(PROMPT[:85])
+    plan = hit(store, PROMPT[:85], local=64)
+    assert (plan.local_tokens, plan.external_tokens, plan.block_tokens, plan.tail_tokens) == (64, 20, 0, 20)
+    assert [o.block_index for o in plan.objects] == [2]
+    assert hit(store, PROMPT[:85], local=96 - 32).external_tokens == 20
+
+
+def test_local_hit_at_or_beyond_the_store_loads_nothing():
+    store = KeySet()
+    store.publish(PROMPT[:40])
+    assert hit(store, PROMPT[:100], local=64).external_tokens == 0
+
+
+def test_block_aligned_repeat_claims_all_but_the_last_token():
+    store = KeySet()
+    store.publish(PROMPT[:64])
+    plan = hit(store, PROMPT[:64])
+    assert (plan.external_tokens, plan.block_tokens, plan.tail_tokens) == (63, 63, 0)
+    assert [o.kind for o in plan.objects] == [KeyKind.BLOCK, KeyKind.BLOCK]
+
+
+def test_unknown_prompt_and_different_salt_miss():
+    store = KeySet()
+    store.publish(PROMPT[:85])
+    assert hit(store, list(range(5000, 5100))).external_tokens == 0
+    assert hit(store, PROMPT[:120], root=RequestIdentity(cache_salt="other").root_hash()).external_tokens == 0
+
+
+def test_divergence_inside_the_tail_stops_the_hit_at_the_stored_shorter_tail():
+    store = KeySet()
+    store.publish(PROMPT[:70])
+    store.publish(PROMPT[:80])
+    changed = PROMPT[:75] + [1] + PROMPT[76:120]
+    assert hit(store, changed).external_tokens == 70
+
+
+def test_hash_unit_grid():
+    store = KeySet()
+    store.publish(PROMPT[:85], unit=8)  # tail stored at 80
+    plan = hit(store, PROMPT[:120], unit=8)
+    assert plan.external_tokens == 80
+
+
+def test_single_token_prompt_never_hits():
+    store = KeySet()
+    store.publish(PROMPT[:1])
+    assert hit(store, PROMPT[:1]).external_tokens == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    published=st.lists(st.integers(1, 150), min_size=0, max_size=4),
+    length=st.integers(1, 200),
+    unit=st.sampled_from([1, 4, 8]),
+    local_blocks=st.integers(0, 6),
+    diverge_at=st.one_of(st.none(), st.integers(0, 199)),
+)
+def test_hit_equals_the_oracle(published, length, unit, local_blocks, diverge_at):
+    """The planned hit equals the brute-force longest common prefix with any published prompt."""
+    store = KeySet()
+    prompts = [PROMPT[:n] for n in published]
+    for prompt in prompts:
+        store.publish(prompt, unit)
+    query = list(PROMPT[:length])
+    if diverge_at is not None and diverge_at < length:
+        query[diverge_at] = 7
+    local = min(local_blocks * B, (length - 1) // B * B)
+
+    def reusable(prompt):
+        common = 0
+        while common < min(len(prompt), len(query)) and prompt[common] == query[common]:
+            common += 1
+        # Stored boundaries: full blocks of the prompt, and its tail on the unit grid.
+        best = common // B * B
+        tail = len(prompt) // unit * unit
+        if tail <= common and tail % B and tail // B == len(prompt) // B:
+            best = max(best, tail)
+        return best
+
+    ideal = max([reusable(p) for p in prompts], default=0)
+    ideal = min(ideal, length - 1)
+    expected = max(0, ideal - local)
+    plan = hit(store, query, local=local, unit=unit)
+    assert plan.external_tokens == expected
+    assert plan.block_tokens + plan.tail_tokens == plan.external_tokens
+    covered = {o.block_index for o in plan.objects}
+    if expected:
+        assert covered == set(range(local // B, (local + expected - 1) // B + 1))
