@@ -35,13 +35,13 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-logger = logging.getLogger("kvtool.connector")
+logger = logging.getLogger("vllm.kvtool")
 
 _ROLES = ("kv_producer", "kv_consumer", "kv_both")
 
 
 class KVToolConnector(KVConnectorBase_V1):
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = self._kv_transfer_config
         if transfer.kv_role not in _ROLES:
@@ -61,7 +61,7 @@ class KVToolConnector(KVConnectorBase_V1):
             )
         except UnsupportedLayout as exc:
             logger.warning("kvtool: connector disabled, %s", exc)
-        self._store = self._open_store() if self.namespace is not None else None
+        self._store = self._open_store(role) if self.namespace is not None else None
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         namespace = self.namespace or _placeholder_namespace()
@@ -72,9 +72,13 @@ class KVToolConnector(KVConnectorBase_V1):
         else:
             self._worker = WorkerSide(namespace, self._store, saves_enabled=saves_enabled)
 
-    def _open_store(self) -> SharedStore | None:
+    def _open_store(self, role: KVConnectorRole) -> SharedStore | None:
+        # Only the worker lends memory to the store; the scheduler side only asks what exists.
+        config = (
+            self.config if role == KVConnectorRole.WORKER else self.config.model_copy(update={"global_segment_size": 0})
+        )
         try:
-            return SharedStore(self.config)
+            return SharedStore(config)
         except StoreError as exc:
             logger.warning(
                 "kvtool: Mooncake store at %s is unavailable (%s); serving without the connector's help",
@@ -85,19 +89,19 @@ class KVToolConnector(KVConnectorBase_V1):
 
     # ---- scheduler side ---------------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
         assert self._scheduler is not None
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
         return self._scheduler.build_connector_meta(scheduler_output)
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         return self._scheduler.request_finished(request)
 
@@ -118,7 +122,7 @@ class KVToolConnector(KVConnectorBase_V1):
         except ValueError as exc:
             logger.warning("kvtool: connector disabled, %s", exc)
 
-    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self._worker is not None
         meta = self._connector_metadata
         if isinstance(meta, KVToolMetadata):
@@ -128,7 +132,7 @@ class KVToolConnector(KVConnectorBase_V1):
         return
 
     def save_kv_layer(
-        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata", **kwargs: Any
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
     ) -> None:
         return
 
@@ -168,5 +172,6 @@ class KVToolConnector(KVConnectorBase_V1):
 def _placeholder_namespace():
     from .keys import Namespace
 
-    return Namespace(model="disabled", dtype="none", kv_layout="none", block_size=1, num_layers=0,
-                     num_kv_heads=0, head_size=0)
+    return Namespace(
+        model="disabled", dtype="none", kv_layout="none", block_size=1, num_layers=0, num_kv_heads=0, head_size=0
+    )

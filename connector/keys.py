@@ -61,8 +61,7 @@ class DecodedKey:
 
 
 _KEY_RE = re.compile(
-    r"^kvtool/(?P<version>\d+)/(?P<ns>[0-9a-f]{%d})/(?P<kind>[bt])/(?P<end>\d+)/(?P<hash>[0-9a-f]{32})$"
-    % NAMESPACE_HEX
+    rf"^kvtool/(?P<version>\d+)/(?P<ns>[0-9a-f]{{{NAMESPACE_HEX}}})/(?P<kind>[bt])/(?P<end>\d+)/(?P<hash>[0-9a-f]{{32}})$"
 )
 
 

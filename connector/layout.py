@@ -16,7 +16,7 @@ class UnsupportedLayout(Exception):
 
 
 def engine_namespace(
-    vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", model_id: str | None, weights_digest: str
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, model_id: str | None, weights_digest: str
 ) -> Namespace:
     from vllm.platforms import current_platform
     from vllm.v1.kv_cache_interface import AttentionSpec

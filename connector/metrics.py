@@ -40,7 +40,8 @@ class KVToolPromMetrics(KVConnectorPromMetrics):
         per_engine = self._counters.get(name)
         if per_engine is None:
             counter = self._counter_cls(
-                name=f"vllm:kvtool_{name}", documentation=f"kvtool connector: {name.replace('_', ' ')}",
+                name=f"vllm:kvtool_{name}",
+                documentation=f"kvtool connector: {name.replace('_', ' ')}",
                 labelnames=self._labelnames,
             )
             per_engine = {idx: counter.labels(*values) for idx, values in self.per_engine_labelvalues.items()}

@@ -92,8 +92,8 @@ def encode_object(header: ObjectHeader, payload: bytes | memoryview) -> bytes:
 def decode_header(data: bytes | memoryview) -> ObjectHeader:
     if len(data) < HEADER_SIZE:
         raise ObjectRejected("truncated", f"{len(data)} bytes is shorter than the {HEADER_SIZE}-byte header")
-    (magic, version, header_size, ns, chain, kind_code, dtype, layers, start, end, plen, crc) = (
-        _HEADER.unpack_from(data)
+    (magic, version, header_size, ns, chain, kind_code, dtype, layers, start, end, plen, crc) = _HEADER.unpack_from(
+        data
     )
     if magic != MAGIC:
         raise ObjectRejected("foreign", "not a kvtool object (bad magic)")

@@ -99,7 +99,7 @@ def find_stored_prefix(keys: PromptKeys, exists: ExistsFn) -> StoredPrefix:
 
 
 def _longest(boundaries: list[int], answers: Sequence[bool]) -> int | None:
-    found = [b for b, present in zip(boundaries, answers) if present]
+    found = [b for b, present in zip(boundaries, answers, strict=True) if present]
     return max(found) if found else None
 
 
@@ -143,7 +143,9 @@ def plan_load(keys: PromptKeys, stored: StoredPrefix, local_tokens: int) -> Load
         start = index * block_size
         if index < stored.full_blocks:
             objects.append(
-                ObjectLoad(keys.block_key(index), KeyKind.BLOCK, index, start, start + block_size, keys.block_chain[index])
+                ObjectLoad(
+                    keys.block_key(index), KeyKind.BLOCK, index, start, start + block_size, keys.block_chain[index]
+                )
             )
         else:
             boundary = stored.tail_boundary
@@ -177,6 +179,8 @@ def plan_save(keys: PromptKeys) -> list[ObjectSave]:
     if boundary is not None:
         index = boundary // block_size
         saves.append(
-            ObjectSave(keys.tail_key(boundary), KeyKind.TAIL, index, index * block_size, boundary, keys.tail_hash(boundary))
+            ObjectSave(
+                keys.tail_key(boundary), KeyKind.TAIL, index, index * block_size, boundary, keys.tail_hash(boundary)
+            )
         )
     return saves

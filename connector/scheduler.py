@@ -18,10 +18,10 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-logger = logging.getLogger("kvtool.connector")
+logger = logging.getLogger("vllm.kvtool")
 
 
-def request_identity(request: "Request") -> RequestIdentity:
+def request_identity(request: Request) -> RequestIdentity:
     lora = getattr(request, "lora_request", None)
     features = getattr(request, "mm_features", None) or []
     return RequestIdentity(
@@ -35,7 +35,7 @@ def request_identity(request: "Request") -> RequestIdentity:
 class _Tracked:
     """What the scheduler side keeps about one live request."""
 
-    request: "Request"
+    request: Request
     keys: PromptKeys
     block_ids: list[int] = field(default_factory=list)
     plan: LoadPlan | None = None
@@ -45,6 +45,7 @@ class _Tracked:
     save_scheduled: bool = False
     save_objects: int = 0
     tail_boundary_saved: int | None = None
+    last_saved_key: str | None = None
 
 
 class SchedulerSide:
@@ -71,7 +72,7 @@ class SchedulerSide:
 
     # -- lookup -------------------------------------------------------------------------------------
 
-    def _track(self, request: "Request") -> _Tracked:
+    def _track(self, request: Request) -> _Tracked:
         tracked = self._tracked.get(request.request_id)
         if tracked is None:
             keys = PromptKeys.build(
@@ -85,7 +86,7 @@ class SchedulerSide:
             self._tracked[request.request_id] = tracked
         return tracked
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         tracked = self._track(request)
         if not self._loads_enabled or len(tracked.keys.tokens) < 2:
             return 0, False
@@ -107,7 +108,7 @@ class SchedulerSide:
         assert self._store is not None
         return self._store.exists(keys)
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         tracked = self._track(request)
         block_ids = list(blocks.get_block_ids()[0])
         tracked.block_ids = block_ids
@@ -131,7 +132,7 @@ class SchedulerSide:
 
     # -- metadata -----------------------------------------------------------------------------------
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVToolMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVToolMetadata:
         meta = KVToolMetadata(loads=self._pending_loads)
         self._pending_loads = []
         if not self._saves_enabled:
@@ -156,7 +157,7 @@ class SchedulerSide:
         return meta
 
     def _maybe_save(
-        self, meta: KVToolMetadata, tracked: _Tracked, num_computed: int, scheduler_output: "SchedulerOutput"
+        self, meta: KVToolMetadata, tracked: _Tracked, num_computed: int, scheduler_output: SchedulerOutput
     ) -> None:
         """Publish the prompt's KV in the step that completes it (so a max_tokens=1 request publishes too)."""
         if tracked.save_scheduled:
@@ -183,6 +184,7 @@ class SchedulerSide:
             )
         )
         tracked.save_objects = len(usable)
+        tracked.last_saved_key = usable[-1].key
         tails = [s.token_end for s in usable if s.kind is KeyKind.TAIL]
         tracked.tail_boundary_saved = tails[0] if tails else None
 
@@ -193,11 +195,11 @@ class SchedulerSide:
             present = self._exists([s.key for s in saves])
         except StoreError:
             return saves
-        return [s for s, found in zip(saves, present) if not found]
+        return [s for s, found in zip(saves, present, strict=True) if not found]
 
     # -- finish -------------------------------------------------------------------------------------
 
-    def request_finished(self, request: "Request") -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         tracked = self._tracked.pop(request.request_id, None)
         if tracked is None:
             return False, None
@@ -216,6 +218,9 @@ class SchedulerSide:
             "tail_hit_tokens": plan.tail_tokens if plan else 0,
             "save_objects": tracked.save_objects,
             "save_tail_boundary": tracked.tail_boundary_saved,
+            # Puts run in order: once this key is in the store, every object of the save was tried.
+            "save_last_key": tracked.last_saved_key,
+            "namespace": tracked.keys.namespace,
         }
 
     def _warn_once(self, topic: str, message: str) -> None:

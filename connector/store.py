@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import socket
 import threading
 from collections.abc import Callable, Sequence
 from enum import Enum
@@ -79,6 +80,10 @@ class MooncakeStore:
     def _connect(self):
         from mooncake.store import MooncakeDistributedStore
 
+        # The client's setup holds the GIL while it retries an absent master for about 90 s, so
+        # no Python-side time-out can cut it short: ask the master's port first.
+        _check_reachable(self._config.master_server_address, self._config.connect_timeout_s)
+
         client = MooncakeDistributedStore()
         code = client.setup(
             self._config.local_hostname,
@@ -90,9 +95,7 @@ class MooncakeStore:
             self._config.master_server_address,
         )
         if code != 0:
-            raise StoreError(
-                f"Mooncake setup returned {code} for master {self._config.master_server_address}"
-            )
+            raise StoreError(f"Mooncake setup returned {code} for master {self._config.master_server_address}")
         return client
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
@@ -138,6 +141,15 @@ class MooncakeStore:
             except StoreError as exc:
                 logger.warning("kvtool: %s", exc)
         self._calls.shutdown()
+
+
+def _check_reachable(address: str, timeout_s: float) -> None:
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            pass
+    except OSError as exc:
+        raise StoreError(f"the Mooncake master at {address} is not reachable ({exc.strerror or exc})") from None
 
 
 _shared_lock = threading.Lock()

@@ -20,7 +20,7 @@ from .keys import KeyKind, Namespace, block_key, tail_key
 from .objects import ObjectHeader, ObjectRejected, encode_object, verify_object
 from .store import KVStore, PutOutcome, StoreError
 
-logger = logging.getLogger("kvtool.connector")
+logger = logging.getLogger("vllm.kvtool")
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,7 @@ class WorkerSide:
         except StoreError as exc:
             self._fail_from(load, 0, "store_error", str(exc))
             return
-        for index, (transfer, value) in enumerate(zip(load.transfers, values)):
+        for index, (transfer, value) in enumerate(zip(load.transfers, values, strict=True)):
             if value is None:
                 self._fail_from(load, index, "missing", f"{keys[index]} could not be read")
                 return

@@ -79,9 +79,7 @@ def serve_pair_command(
             help="Hugging Face model directory \\[default: a generated random-weight Llama, see --model-size]"
         ),
     ] = None,
-    model_size: Annotated[
-        str, typer.Option(help="preset generated when --model is not given: tiny or bench")
-    ] = "tiny",
+    model_size: Annotated[str, typer.Option(help="preset generated when --model is not given: tiny or bench")] = "tiny",
     producer_port: Annotated[int, typer.Option(help="producer vLLM server port on 127.0.0.1")] = 8100,
     consumer_port: Annotated[int, typer.Option(help="consumer vLLM server port on 127.0.0.1")] = 8200,
     master_port: Annotated[int, typer.Option(help="RPC port of the mooncake_master kvtool starts")] = 50051,
@@ -89,12 +87,8 @@ def serve_pair_command(
     master: Annotated[
         str | None, typer.Option(help="HOST:PORT of a running mooncake_master to use instead of starting one")
     ] = None,
-    store_port: Annotated[
-        int, typer.Option(help="service port of the standalone store (--store standalone)")
-    ] = 50052,
-    block_size: Annotated[
-        int, typer.Option(help="vLLM KV block size in tokens (a multiple of 32 on the CPU)")
-    ] = 32,
+    store_port: Annotated[int, typer.Option(help="service port of the standalone store (--store standalone)")] = 50052,
+    block_size: Annotated[int, typer.Option(help="vLLM KV block size in tokens (a multiple of 32 on the CPU)")] = 32,
     hash_unit: Annotated[
         int, typer.Option(help="tail boundary grid in tokens for the kvtool connector (1 = exact)")
     ] = 1,
@@ -123,22 +117,14 @@ def serve_pair_command(
     smoke: Annotated[
         bool, typer.Option("--smoke", help="run one producer-then-consumer check, print it, stop")
     ] = False,
-    kv_cache_gib: Annotated[
-        float, typer.Option(help="KV cache per engine, GiB (VLLM_CPU_KVCACHE_SPACE)")
-    ] = 1.0,
+    kv_cache_gib: Annotated[float, typer.Option(help="KV cache per engine, GiB (VLLM_CPU_KVCACHE_SPACE)")] = 1.0,
     memory_utilization: Annotated[
         float,
         typer.Option(help="--gpu-memory-utilization per engine; small because two engines start together"),
     ] = 0.3,
-    dtype: Annotated[
-        str, typer.Option(help="vLLM --dtype (float32 keeps logprob comparisons exact)")
-    ] = "float32",
-    enforce_eager: Annotated[
-        bool, typer.Option(help="pass --enforce-eager to vLLM (no compilation)")
-    ] = False,
-    startup_timeout: Annotated[
-        float, typer.Option(help="seconds to wait for both servers to be healthy")
-    ] = 300.0,
+    dtype: Annotated[str, typer.Option(help="vLLM --dtype (float32 keeps logprob comparisons exact)")] = "float32",
+    enforce_eager: Annotated[bool, typer.Option(help="pass --enforce-eager to vLLM (no compilation)")] = False,
+    startup_timeout: Annotated[float, typer.Option(help="seconds to wait for both servers to be healthy")] = 300.0,
 ) -> None:
     """Start a Mooncake master, a producer and a consumer vLLM server on 127.0.0.1 and keep them running.
 

@@ -102,9 +102,7 @@ def training_sentences(count: int = 600, seed: int = SEED) -> list[str]:
     codas = ["", "", "n", "r", "s", "t", "l", "nd", "ck"]
     words = sorted(
         {
-            "".join(
-                rng.choice(onsets) + rng.choice(vowels) + rng.choice(codas) for _ in range(rng.randint(1, 3))
-            )
+            "".join(rng.choice(onsets) + rng.choice(vowels) + rng.choice(codas) for _ in range(rng.randint(1, 3)))
             for _ in range(400)
         }
     )

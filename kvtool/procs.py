@@ -16,6 +16,7 @@ import socket
 import subprocess
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,9 +39,7 @@ def ensure_port_free(port: int, flag: str, host: str = LOOPBACK) -> None:
             probe.bind((host, port))
         except OSError as exc:
             if exc.errno in (errno.EADDRINUSE, errno.EACCES):
-                raise UserError(
-                    f"port {port} is already in use on {host}; pick another with {flag}"
-                ) from None
+                raise UserError(f"port {port} is already in use on {host}; pick another with {flag}") from None
             raise
 
 
@@ -115,11 +114,14 @@ class ManagedProcess:
 
     def died_error(self, while_doing: str = "") -> ServerError:
         code = self.exit_code()
+        how = (
+            f"was killed by {signal.Signals(-code).name}"
+            if code is not None and code < 0
+            else f"exited with code {code}"
+        )
         when = f" {while_doing}" if while_doing else ""
-        tail = log_tail(self.log_path)
         return ServerError(
-            f"{self.name} (pid {self.pid}) exited with code {code}{when}; see {self.log_path}",
-            details=tail,
+            f"{self.name} (pid {self.pid}) {how}{when}; see {self.log_path}", details=log_tail(self.log_path)
         )
 
 
@@ -147,20 +149,46 @@ def _group_alive(pgid: int) -> bool:
         return True
 
 
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _wait_until(condition: Callable[[], bool], deadline: float) -> bool:
+    while not condition():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
 def stop_process(proc: ManagedProcess, grace_s: float = 15.0) -> None:
-    """SIGTERM the process's group, wait up to grace_s, then SIGKILL whatever is left."""
+    """SIGTERM the leader, then its whole group; SIGKILL the group if anything outlives grace_s.
+
+    The leader goes first and alone: a vLLM API server shuts its engine core down in order, while
+    a SIGTERM to the whole group at once kills the engine under it (EngineDeadError in the log).
+    """
     pgid = proc.pid  # start_new_session makes the child its group's leader
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            pass
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
-            if proc.popen.poll() is not None and not _group_alive(pgid):
-                return
-            time.sleep(0.1)
-    proc.popen.poll()
+
+    def leader_gone() -> bool:
+        return proc.popen.poll() is not None
+
+    def all_gone() -> bool:
+        return leader_gone() and not _group_alive(pgid)
+
+    deadline = time.monotonic() + grace_s
+    if not leader_gone():
+        proc.popen.send_signal(signal.SIGTERM)
+        _wait_until(leader_gone, deadline)
+    if all_gone():
+        return
+    _signal_group(pgid, signal.SIGTERM)
+    if _wait_until(all_gone, max(deadline, time.monotonic() + 3.0)):
+        return
+    _signal_group(pgid, signal.SIGKILL)
+    _wait_until(all_gone, time.monotonic() + 5.0)
 
 
 class ProcessSet:

@@ -240,11 +240,7 @@ def engine_argv(cfg: ServePairConfig, role: Role, python: str = sys.executable) 
 def cpu_halves(cpus: list[int] | None = None) -> tuple[str, str]:
     """OMP core lists for the producer and the consumer: two disjoint halves of the usable cores."""
     if cpus is None:
-        cpus = (
-            sorted(os.sched_getaffinity(0))
-            if hasattr(os, "sched_getaffinity")
-            else list(range(os.cpu_count() or 1))
-        )
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
     if len(cpus) < 2:
         return "all", "all"
     half = len(cpus) // 2
@@ -303,9 +299,7 @@ def _parse_host_port(address: str, flag: str) -> tuple[str, int]:
 def preflight(cfg: ServePairConfig) -> None:
     """Turn every foreseeable start-up failure into one UserError sentence before anything starts."""
     if not cfg.model.exists():
-        raise UserError(
-            f"model path {cfg.model} does not exist; pass a Hugging Face model directory with --model"
-        )
+        raise UserError(f"model path {cfg.model} does not exist; pass a Hugging Face model directory with --model")
     if not (cfg.model / "config.json").is_file():
         raise UserError(f"{cfg.model} has no config.json; --model must name a Hugging Face model directory")
     if _is_cpu_vllm() and cfg.block_size % CPU_BLOCK_MULTIPLE:
@@ -339,9 +333,7 @@ def preflight(cfg: ServePairConfig) -> None:
     if cfg.external_master is not None:
         host, port = _parse_host_port(cfg.external_master, "--master")
         if not tcp_port_open(port, host):
-            raise UserError(
-                f"no Mooncake master answers at {cfg.external_master}; start one or drop --master"
-            )
+            raise UserError(f"no Mooncake master answers at {cfg.external_master}; start one or drop --master")
     if cfg.starts_master:
         find_binary("mooncake_master")
     if cfg.starts_store:

@@ -53,9 +53,7 @@ def _metrics(url: str) -> str:
         return ""
 
 
-def _wait_for_store_growth(
-    admin_url: str | None, keys_before: float | None, timeout_s: float = 5.0
-) -> float | None:
+def _wait_for_store_growth(admin_url: str | None, keys_before: float | None, timeout_s: float = 5.0) -> float | None:
     """The producer saves asynchronously: give its keys a moment to land before the consumer asks."""
     if admin_url is None:
         time.sleep(1.0)
@@ -71,19 +69,21 @@ def _wait_for_store_growth(
     return keys
 
 
-def run_smoke(info: dict[str, Any], console: Console) -> None:
+def _flatten(params: Any, prefix: str = "") -> dict[str, str]:
+    if not isinstance(params, dict):
+        return {prefix or "value": json.dumps(params)}
+    rows: dict[str, str] = {}
+    for key, value in params.items():
+        name = f"{prefix}.{key}" if prefix else str(key)
+        rows.update(_flatten(value, name) if isinstance(value, dict) else {name: json.dumps(value)})
+    return rows
+
+
+def run_smoke(info: dict[str, Any], console: Console) -> list[dict[str, Any]]:
+    """Run the exchanges and print one table (a column per exchange); return what was measured."""
     model = info["model"]
     admin = info.get("admin")
-    table = Table(title=f"smoke check: connector={info['connector']} block_size={info['block_size']}")
-    for column in (
-        "producer prompt",
-        "consumer prompt",
-        "store keys",
-        "cached tokens",
-        "external hits",
-        "kv_transfer_params",
-    ):
-        table.add_column(column)
+    cases: list[dict[str, Any]] = []
     for producer_prompt, consumer_prompt in smoke_prompts(model_vocab_size(Path(model))):
         keys_before = metric_total(_metrics(admin), "master_key_count") if admin else None
         complete(info["producer"], model, producer_prompt, max_tokens=1)
@@ -92,15 +92,39 @@ def run_smoke(info: dict[str, Any], console: Console) -> None:
         hits_before = metric_total(_metrics(info["consumer"]), "vllm:external_prefix_cache_hits_total") or 0.0
         response = complete(info["consumer"], model, consumer_prompt, max_tokens=8, logprobs=5)
         hits_after = metric_total(_metrics(info["consumer"]), "vllm:external_prefix_cache_hits_total") or 0.0
-
         details = (response.get("usage") or {}).get("prompt_tokens_details") or {}
-        params = response.get("kv_transfer_params")
-        table.add_row(
-            f"{len(producer_prompt)} tokens",
-            f"{len(consumer_prompt)} tokens",
-            "-" if keys_after is None else f"{keys_before:g} -> {keys_after:g}",
-            str(details.get("cached_tokens", "-")),
-            f"{hits_after - hits_before:g}",
-            json.dumps(params, sort_keys=True) if params is not None else "(absent)",
+        cases.append(
+            {
+                "producer_prompt_tokens": len(producer_prompt),
+                "consumer_prompt_tokens": len(consumer_prompt),
+                "store_keys": None if keys_after is None else (keys_before, keys_after),
+                "cached_tokens": details.get("cached_tokens"),
+                "external_hit_tokens_metric": hits_after - hits_before,
+                "kv_transfer_params": response.get("kv_transfer_params"),
+            }
         )
+
+    table = Table(title=f"smoke: connector={info['connector']} store={info['store']} block_size={info['block_size']}")
+    table.add_column("", style="bold", no_wrap=True)
+    for number in range(len(cases)):
+        table.add_column(f"exchange {number + 1}", justify="right", overflow="fold")
+
+    def row(label: str, values: list[str]) -> None:
+        table.add_row(label, *values)
+
+    row("producer prompt (max_tokens=1)", [str(c["producer_prompt_tokens"]) for c in cases])
+    row("consumer prompt (max_tokens=8)", [str(c["consumer_prompt_tokens"]) for c in cases])
+    row(
+        "store keys (master)",
+        ["-" if c["store_keys"] is None else "{:g} -> {:g}".format(*c["store_keys"]) for c in cases],
+    )
+    row("consumer cached tokens (usage)", [str(c["cached_tokens"]) for c in cases])
+    row("consumer external hits (/metrics)", [f"{c['external_hit_tokens_metric']:g}" for c in cases])
+    flattened = [_flatten(c["kv_transfer_params"]) if c["kv_transfer_params"] is not None else {} for c in cases]
+    names = sorted({name for flat in flattened for name in flat})
+    table.add_section()
+    row("consumer's kv_transfer_params", ["" if names else "(absent)"] * len(cases))
+    for name in names:
+        row(f"  {name}", [flat.get(name, "-") for flat in flattened])
     console.print(table)
+    return cases

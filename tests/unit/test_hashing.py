@@ -47,7 +47,7 @@ def test_a_changed_token_changes_every_later_hash(tokens, position):
     before, after = block_hashes(tokens, 16, ROOT), block_hashes(changed, 16, ROOT)
     first_affected = position // 16
     assert before[:first_affected] == after[:first_affected]
-    assert all(b != a for b, a in zip(before[first_affected:], after[first_affected:]))
+    assert all(b != a for b, a in zip(before[first_affected:], after[first_affected:], strict=True))
 
 
 def test_identity_separates_salts_loras_and_multimodal_inputs():

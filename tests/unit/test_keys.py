@@ -13,7 +13,11 @@ def test_round_trip(end, chain, kind):
     decoded = decode_key(key)
     assert decoded is not None
     assert (decoded.namespace, decoded.kind, decoded.end_token, decoded.chain_hash) == (
-        NS.key_component(), kind, end, chain.hex())
+        NS.key_component(),
+        kind,
+        end,
+        chain.hex(),
+    )
 
 
 def test_block_and_tail_keys_never_collide():
@@ -28,16 +32,45 @@ def test_keys_are_plain_for_batch_queries():
 
 def test_foreign_keys_do_not_decode():
     good = block_key(NS.key_component(), 32, bytes(16))
-    for foreign in ["", "abc", "vllm@mooncake@tp0@xyz", good.replace("kvtool/1/", "kvtool/2/"),
-                    good + "x", good.replace("/b/", "/q/"), good[:-1]]:
+    for foreign in [
+        "",
+        "abc",
+        "vllm@mooncake@tp0@xyz",
+        good.replace("kvtool/1/", "kvtool/2/"),
+        good + "x",
+        good.replace("/b/", "/q/"),
+        good[:-1],
+    ]:
         assert decode_key(foreign) is None
 
 
 def test_namespace_folds_in_everything_that_makes_kv_incompatible():
-    fields = dict(model="m", dtype="float32", kv_layout="cpu", block_size=32, num_layers=2, num_kv_heads=2,
-                  head_size=64, tp_size=1, tp_rank=0, cache_group=0, weights_digest="")
+    fields = dict(
+        model="m",
+        dtype="float32",
+        kv_layout="cpu",
+        block_size=32,
+        num_layers=2,
+        num_kv_heads=2,
+        head_size=64,
+        tp_size=1,
+        tp_rank=0,
+        cache_group=0,
+        weights_digest="",
+    )
     base = Namespace(**fields).key_component()
-    changes = dict(model="m2", dtype="bfloat16", kv_layout="cuda", block_size=64, num_layers=3, num_kv_heads=4,
-                   head_size=128, tp_size=2, tp_rank=1, cache_group=1, weights_digest="abc")
+    changes = dict(
+        model="m2",
+        dtype="bfloat16",
+        kv_layout="cuda",
+        block_size=64,
+        num_layers=3,
+        num_kv_heads=4,
+        head_size=128,
+        tp_size=2,
+        tp_rank=1,
+        cache_group=1,
+        weights_digest="abc",
+    )
     for name, value in changes.items():
         assert Namespace(**{**fields, name: value}).key_component() != base, name

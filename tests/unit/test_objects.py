@@ -7,8 +7,16 @@ from connector.objects import HEADER_SIZE, ObjectHeader, ObjectRejected, encode_
 
 
 def expected(payload_len=64, **overrides):
-    fields = dict(namespace_fingerprint=b"N" * 16, chain_hash=b"H" * 16, kind=KeyKind.TAIL, dtype="float32",
-                  num_layers=2, token_start=64, token_end=85, payload_len=payload_len)
+    fields = dict(
+        namespace_fingerprint=b"N" * 16,
+        chain_hash=b"H" * 16,
+        kind=KeyKind.TAIL,
+        dtype="float32",
+        num_layers=2,
+        token_start=64,
+        token_end=85,
+        payload_len=payload_len,
+    )
     fields.update(overrides)
     return ObjectHeader(**fields)
 
@@ -62,8 +70,17 @@ def test_a_foreign_namespace_is_rejected():
     assert info.value.cause == "namespace"
 
 
-@pytest.mark.parametrize("field,value", [("chain_hash", b"Z" * 16), ("kind", KeyKind.BLOCK), ("dtype", "bfloat16"),
-                                         ("num_layers", 3), ("token_start", 32), ("token_end", 84)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("chain_hash", b"Z" * 16),
+        ("kind", KeyKind.BLOCK),
+        ("dtype", "bfloat16"),
+        ("num_layers", 3),
+        ("token_start", 32),
+        ("token_end", 84),
+    ],
+)
 def test_any_other_mismatch_is_rejected(field, value):
     payload = bytes(64)
     with pytest.raises(ObjectRejected):

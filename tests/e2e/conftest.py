@@ -1,0 +1,137 @@
+"""Fixtures that run a real producer/consumer pair through `kvtool serve-pair`.
+
+The pair starts once per session (about a minute on two cores) on free ports. Set
+KVTOOL_E2E_CONNECTOR / KVTOOL_E2E_STORE to run the suite against another configuration.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtool import client
+from kvtool.procs import find_free_port, log_tail
+
+READY_TIMEOUT_S = 300.0
+STOP_TIMEOUT_S = 60.0
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    for item in items:
+        if here in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.e2e)
+
+
+def _log_tails(log_dir: Path) -> str:
+    parts = []
+    for log in sorted(log_dir.glob("*.log")):
+        parts.append(f"--- {log} ---\n{log_tail(log, 25)}")
+    return "\n".join(parts)
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is not None:
+        return
+    process.send_signal(signal.SIGTERM)  # serve-pair stops its children in order, then exits
+    try:
+        process.wait(timeout=STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=10)
+
+
+# pytest retries a failed session fixture for every test that asks for it; one failed start is enough.
+_start_failure: list[str] = []
+
+
+@pytest.fixture(scope="session")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """The parsed ready file of a running serve-pair (see kvtool.serve_pair.ready_info)."""
+    if _start_failure:
+        pytest.fail(f"serve-pair failed to start earlier in this session:\n{_start_failure[0]}", pytrace=False)
+    workdir = tmp_path_factory.mktemp("pair")
+    ready_file = workdir / "ready.json"
+    log_dir = workdir / "logs"
+    log_dir.mkdir()
+    ports = {flag: find_free_port() for flag in ("producer", "consumer", "master", "admin", "store")}
+    argv = [
+        sys.executable,
+        "-m",
+        "kvtool.cli",
+        "serve-pair",
+        "--ready-file",
+        str(ready_file),
+        "--log-dir",
+        str(log_dir),
+        "--connector",
+        os.environ.get("KVTOOL_E2E_CONNECTOR", "kvtool"),
+        "--store",
+        os.environ.get("KVTOOL_E2E_STORE", "embedded"),
+    ]
+    for flag, port in ports.items():
+        argv += [f"--{flag}-port", str(port)]
+    with open(log_dir / "serve-pair.log", "wb") as own_log:
+        process = subprocess.Popen(
+            argv, stdout=own_log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, start_new_session=True
+        )
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not ready_file.exists():
+            problem = None
+            if process.poll() is not None:
+                problem = f"serve-pair exited with code {process.returncode} before it was ready"
+            elif time.monotonic() > deadline:
+                problem = f"serve-pair was not ready after {READY_TIMEOUT_S:.0f} s"
+            if problem is not None:
+                _start_failure.append(f"{problem}\n{_log_tails(log_dir)}")
+                pytest.fail(_start_failure[-1], pytrace=False)
+            time.sleep(0.5)
+        info = json.loads(ready_file.read_text())
+        yield info
+    finally:
+        _stop(process)
+
+
+@dataclass
+class PairClient:
+    """Requests against the pair, with its model filled in."""
+
+    info: dict[str, Any]
+
+    @property
+    def model(self) -> str:
+        return self.info["model"]
+
+    def producer(self, prompt_token_ids: list[int], **kwargs: Any) -> dict[str, Any]:
+        kwargs.setdefault("max_tokens", 1)
+        return client.complete(self.info["producer"], self.model, prompt_token_ids, **kwargs)
+
+    def consumer(self, prompt_token_ids: list[int], **kwargs: Any) -> dict[str, Any]:
+        kwargs.setdefault("max_tokens", 8)
+        return client.complete(self.info["consumer"], self.model, prompt_token_ids, **kwargs)
+
+    def recompute(self, base_url: str, prompt_token_ids: list[int], **kwargs: Any) -> dict[str, Any]:
+        """The reference: prompt_logprobs makes vLLM skip every cache and compute the prompt afresh."""
+        kwargs.setdefault("max_tokens", 8)
+        kwargs.setdefault("prompt_logprobs", 1)
+        return client.complete(base_url, self.model, prompt_token_ids, **kwargs)
+
+    def log(self, name: str, lines: int = 40) -> str:
+        return log_tail(Path(self.info["log_dir"]) / f"{name}.log", lines)
+
+
+@pytest.fixture(scope="session")
+def pair_client(pair: dict[str, Any]) -> PairClient:
+    return PairClient(pair)

@@ -1,0 +1,65 @@
+"""The store adapter against a real mooncake_master."""
+
+import os
+
+import pytest
+
+from connector.keys import KeyKind, Namespace, block_key, tail_key
+from connector.objects import ObjectHeader, encode_object, verify_object
+from connector.store import MooncakeStore, PutOutcome, StoreError
+
+pytestmark = pytest.mark.integration
+
+NS = Namespace(model="m", dtype="float32", kv_layout="cpu", block_size=32, num_layers=2, num_kv_heads=2, head_size=64)
+
+
+def header(chain, kind=KeyKind.TAIL, end=85, payload_len=4096):
+    return ObjectHeader(NS.fingerprint(), chain, kind, "float32", 2, 64, end, payload_len)
+
+
+def test_objects_read_back_byte_identical(store):
+    payload = os.urandom(4096)
+    chain = os.urandom(16)
+    key = tail_key(NS.key_component(), 85, chain)
+    value = encode_object(header(chain), payload)
+    assert store.put(key, value) is PutOutcome.STORED
+    assert store.exists([key]) == [True]
+    (read,) = store.get([key])
+    assert read == value
+    assert bytes(verify_object(read, header(chain))) == payload
+
+
+def test_a_large_object_round_trips(store):
+    payload = os.urandom(3 << 20)
+    chain = os.urandom(16)
+    key = block_key(NS.key_component(), 64, chain)
+    value = encode_object(header(chain, KeyKind.BLOCK, 96, len(payload)), payload)
+    assert store.put(key, value) is PutOutcome.STORED
+    assert store.get([key]) == [value]
+
+
+def test_a_missing_key_is_a_miss(store):
+    key = block_key(NS.key_component(), 32, os.urandom(16))
+    assert store.exists([key]) == [False]
+    assert store.get([key]) == [None]
+
+
+def test_batches_mix_hits_and_misses(store):
+    chains = [os.urandom(16) for _ in range(3)]
+    keys = [block_key(NS.key_component(), 32 * (i + 1), c) for i, c in enumerate(chains)]
+    store.put(keys[1], b"x" * 100)
+    assert store.exists(keys) == [False, True, False]
+    assert store.get(keys) == [None, b"x" * 100, None]
+
+
+def test_objects_are_immutable_first_put_wins(store):
+    key = tail_key(NS.key_component(), 5, os.urandom(16))
+    assert store.put(key, b"first") is PutOutcome.STORED
+    store.put(key, b"second")
+    assert store.get([key]) == [b"first"]
+
+
+def test_an_unreachable_master_is_a_store_error(store_config):
+    bad = store_config.model_copy(update={"master_server_address": "127.0.0.1:1", "connect_timeout_s": 5})
+    with pytest.raises(StoreError):
+        MooncakeStore(bad)

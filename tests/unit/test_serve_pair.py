@@ -1,0 +1,347 @@
+"""serve-pair's pure logic: configs, command lines, ready file, and its one-line user errors."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+from typer.testing import CliRunner
+
+from kvtool import procs
+from kvtool.cli import app
+from kvtool.errors import UserError
+from kvtool.serve_pair import (
+    ServePairConfig,
+    cpu_halves,
+    engine_argv,
+    engine_env,
+    kv_transfer_config,
+    kvtool_extra_config,
+    master_argv,
+    mooncake_config_path,
+    preflight,
+    ready_info,
+    store_argv,
+    vllm_mooncake_file_config,
+    write_json_atomically,
+)
+from kvtool.smoke import metric_total, smoke_prompts
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"vocab_size": 1024}))
+    return model
+
+
+def make_config(tmp_path: Path, model: Path | None = None, **overrides) -> ServePairConfig:
+    return ServePairConfig(model=model or tmp_path / "model", log_dir=tmp_path / "logs", **overrides)
+
+
+def flag_value(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def test_kvtool_extra_config_is_flat_and_loopback():
+    assert kvtool_extra_config("127.0.0.1:50051", hash_unit=4) == {
+        "master_server_address": "127.0.0.1:50051",
+        "metadata_server": "P2PHANDSHAKE",
+        "protocol": "tcp",
+        "local_hostname": "127.0.0.1",
+        "global_segment_size": 256 * MiB,
+        "local_buffer_size": 64 * MiB,
+        "hash_unit": 4,
+    }
+
+
+def test_kvtool_extra_config_is_accepted_by_the_connector():
+    config_module = pytest.importorskip("connector.config")
+    loaded = config_module.load_config(kvtool_extra_config("127.0.0.1:50051", hash_unit=8, global_segment_size=0))
+    assert loaded.hash_unit == 8
+    assert loaded.global_segment_size == 0
+
+
+@pytest.mark.parametrize("role, kv_role", [("producer", "kv_producer"), ("consumer", "kv_consumer")])
+def test_kvtool_connector_transfer_config(tmp_path, role, kv_role):
+    cfg = make_config(tmp_path, master_port=6000, hash_unit=2)
+    transfer = kv_transfer_config(cfg, role)
+    assert transfer == {
+        "kv_connector": "KVToolConnector",
+        "kv_connector_module_path": "connector.connector",
+        "kv_role": kv_role,
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": kvtool_extra_config("127.0.0.1:6000", hash_unit=2),
+    }
+
+
+def test_kv_load_failure_policy_exists_in_installed_vllm():
+    kv_transfer = pytest.importorskip("vllm.config.kv_transfer")
+    assert "recompute" in str(kv_transfer.KVTransferConfig.__dataclass_fields__["kv_load_failure_policy"].type)
+
+
+def test_standalone_store_engines_lend_no_segment(tmp_path):
+    cfg = make_config(tmp_path, store="standalone", store_port=7000)
+    extra = kv_transfer_config(cfg, "producer")["kv_connector_extra_config"]
+    assert extra["global_segment_size"] == 0
+    argv = store_argv(cfg, "mooncake_client")
+    assert "--host=127.0.0.1" in argv and "--port=7000" in argv
+    assert "--metadata_server=P2PHANDSHAKE" in argv
+    assert f"--global_segment_size={1 << 30}" in argv
+
+
+def test_vllm_mooncake_store_connector(tmp_path):
+    cfg = make_config(tmp_path, connector="vllm-mooncake-store", master_port=6001)
+    assert kv_transfer_config(cfg, "consumer") == {
+        "kv_connector": "MooncakeStoreConnector",
+        "kv_role": "kv_consumer",
+        "kv_load_failure_policy": "recompute",
+    }
+    env = engine_env(cfg, "consumer", base={})
+    assert env["MOONCAKE_CONFIG_PATH"] == str(mooncake_config_path(cfg))
+    assert vllm_mooncake_file_config("127.0.0.1:6001") == {
+        "local_hostname": "127.0.0.1",
+        "metadata_server": "P2PHANDSHAKE",
+        "global_segment_size": 256 * MiB,
+        "local_buffer_size": 64 * MiB,
+        "protocol": "tcp",
+        "device_name": "",
+        "master_server_address": "127.0.0.1:6001",
+    }
+    assert vllm_mooncake_file_config("127.0.0.1:6001", global_segment_size=0)["mode"] == "standalone-store"
+
+
+def test_no_connector_means_no_transfer_config_and_no_mooncake(tmp_path):
+    cfg = make_config(tmp_path, connector="none")
+    assert kv_transfer_config(cfg, "producer") is None
+    assert "--kv-transfer-config" not in engine_argv(cfg, "producer")
+    assert not cfg.starts_master and cfg.master_address is None
+
+
+def test_engine_argv_and_env(tmp_path):
+    cfg = make_config(tmp_path, producer_port=8111, block_size=64)
+    argv = engine_argv(cfg, "producer", python="python")
+    assert argv[:3] == ["python", "-m", "vllm.entrypoints.openai.api_server"]
+    assert flag_value(argv, "--host") == "127.0.0.1"
+    assert flag_value(argv, "--port") == "8111"
+    assert flag_value(argv, "--block-size") == "64"
+    assert flag_value(argv, "--gpu-memory-utilization") == "0.3"
+    assert json.loads(flag_value(argv, "--kv-transfer-config"))["kv_role"] == "kv_producer"
+
+    env = engine_env(cfg, "producer", base={"MOONCAKE_CONFIG_PATH": "/elsewhere.json", "PYTHONPATH": "/x"})
+    assert env["VLLM_HOST_IP"] == env["MC_TCP_BIND_ADDRESS"] == "127.0.0.1"
+    assert env["HF_HUB_OFFLINE"] == "1"
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert "MOONCAKE_CONFIG_PATH" not in env  # must not leak into the kvtool connector's config
+    assert env["PYTHONPATH"].split(":")[-1] == "/x"
+    assert (Path(env["PYTHONPATH"].split(":")[0]) / "kvtool").is_dir()
+
+
+def test_cpu_halves_split_disjointly():
+    assert cpu_halves([0, 1]) == ("0", "1")
+    assert cpu_halves([0, 1, 2, 3]) == ("0,1", "2,3")
+    assert cpu_halves([5]) == ("all", "all")
+
+
+def test_master_stays_on_loopback(tmp_path):
+    argv = master_argv(make_config(tmp_path, master_port=6002, admin_port=6003), "mooncake_master")
+    assert "--rpc_address=127.0.0.1" in argv and "--rpc_port=6002" in argv
+    assert "--metrics_host=127.0.0.1" in argv and "--metrics_port=6003" in argv
+    assert "--enable_http_metadata_server=false" in argv
+
+
+def test_ready_info_content(tmp_path):
+    cfg = make_config(tmp_path, producer_port=8101, consumer_port=8201, master_port=6004, admin_port=6005)
+    info = ready_info(cfg, {"master": 1, "producer": 2, "consumer": 3}, "http://127.0.0.1:6005")
+    assert info == {
+        "producer": "http://127.0.0.1:8101",
+        "consumer": "http://127.0.0.1:8201",
+        "master": "127.0.0.1:6004",
+        "admin": "http://127.0.0.1:6005",
+        "model": str(tmp_path / "model"),
+        "block_size": 32,
+        "hash_unit": 1,
+        "connector": "kvtool",
+        "store": "embedded",
+        "store_address": None,
+        "log_dir": str(tmp_path / "logs"),
+        "pids": {"master": 1, "producer": 2, "consumer": 3},
+    }
+    ready = tmp_path / "ready.json"
+    write_json_atomically(ready, info)
+    assert json.loads(ready.read_text()) == info
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_port_in_use_names_the_flag():
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        with pytest.raises(UserError) as caught:
+            procs.ensure_port_free(port, "--producer-port")
+    assert caught.value.message == f"port {port} is already in use on 127.0.0.1; pick another with --producer-port"
+
+
+def test_preflight_rejects_duplicate_ports(tmp_path, model_dir):
+    cfg = make_config(tmp_path, model_dir, producer_port=8123, consumer_port=8123)
+    with pytest.raises(UserError, match="--producer-port and --consumer-port are both 8123"):
+        preflight(cfg)
+
+
+def test_preflight_rejects_block_size_the_cpu_backend_refuses(tmp_path, model_dir, monkeypatch):
+    monkeypatch.setattr("kvtool.serve_pair._is_cpu_vllm", lambda: True)
+    with pytest.raises(UserError, match="multiple of 32"):
+        preflight(make_config(tmp_path, model_dir, block_size=16))
+
+
+def test_smoke_prompts_extend_the_producer_prompt():
+    (short, short_ext), (long, long_ext) = smoke_prompts(1024)
+    assert (len(short), len(short_ext), len(long), len(long_ext)) == (20, 50, 85, 115)
+    assert short_ext[:20] == short and long_ext[:85] == long
+    assert all(3 <= t < 1024 for t in short_ext + long_ext)
+    assert smoke_prompts(1024) == smoke_prompts(1024)
+
+
+def test_metric_total_sums_label_sets():
+    text = '# HELP x\nvllm:hits_total{a="1"} 3.0\nvllm:hits_total{a="2"} 4\nvllm:hits_total_other 9\n'
+    assert metric_total(text, "vllm:hits_total") == 7.0
+    assert metric_total(text, "missing") is None
+
+
+runner = CliRunner()
+
+
+def assert_one_line_error(result, *fragments: str) -> None:
+    assert result.exit_code not in (0, None)
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.output
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+def test_cli_missing_model_is_one_line(tmp_path):
+    missing = tmp_path / "no-such-model"
+    result = runner.invoke(app, ["serve-pair", "--model", str(missing), "--log-dir", str(tmp_path / "logs")])
+    assert_one_line_error(result, str(missing), "--model")
+    assert result.exit_code == 2
+
+
+def test_cli_port_in_use_is_one_line(tmp_path, model_dir):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        result = runner.invoke(
+            app,
+            [
+                "serve-pair",
+                "--model",
+                str(model_dir),
+                "--consumer-port",
+                str(port),
+                "--log-dir",
+                str(tmp_path / "l"),
+            ],
+        )
+    assert_one_line_error(result, f"port {port} is already in use", "--consumer-port")
+
+
+def test_cli_unknown_connector_is_one_line(tmp_path, model_dir):
+    result = runner.invoke(app, ["serve-pair", "--model", str(model_dir), "--connector", "nope"])
+    assert_one_line_error(result, "--connector", "kvtool")
+
+
+def test_cli_missing_binary_is_one_line(tmp_path, model_dir, monkeypatch):
+    monkeypatch.setattr("kvtool.serve_pair.sys.executable", str(tmp_path / "python"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    ports = [str(procs.find_free_port()) for _ in range(4)]
+    result = runner.invoke(
+        app,
+        ["serve-pair", "--model", str(model_dir), "--log-dir", str(tmp_path / "l")]
+        + [
+            "--producer-port",
+            ports[0],
+            "--consumer-port",
+            ports[1],
+            "--master-port",
+            ports[2],
+            "--admin-port",
+            ports[3],
+        ],
+    )
+    assert_one_line_error(result, "mooncake_master was not found")
+    assert result.exit_code == 1
+
+
+def test_process_set_reports_a_dead_process_with_its_log(tmp_path):
+    processes = procs.ProcessSet(tmp_path)
+    try:
+        processes.start(
+            "flaky",
+            ["sh", "-c", "echo starting; echo boom >&2; exit 3"],
+            readiness=procs.ReadinessCheck(tcp_port=procs.find_free_port()),
+        )
+        with pytest.raises(procs.ServerError) as caught:
+            processes.wait_ready(processes.processes, timeout_s=10, poll_s=0.05)
+    finally:
+        processes.stop_all()
+    assert "flaky" in caught.value.message and "exited with code 3" in caught.value.message
+    assert str(tmp_path / "flaky.log") in caught.value.message
+    assert "boom" in caught.value.details
+
+
+def test_stop_all_leaves_no_process_of_the_group(tmp_path):
+    processes = procs.ProcessSet(tmp_path)
+    # The shell ignores SIGTERM and its background child would outlive it: both must still go.
+    leader = processes.start("stubborn", ["sh", "-c", "trap '' TERM; sleep 60 & wait"])
+    time.sleep(0.3)
+    processes.stop_all(grace_s=0.5)
+    assert leader.exit_code() is not None
+    assert not procs._group_alive(leader.pid)
+
+
+def test_missing_executable_is_a_user_error(tmp_path):
+    with pytest.raises(UserError, match="was not found"):
+        procs.ProcessSet(tmp_path).start("ghost", [str(tmp_path / "no-such-binary")])
+
+
+def test_example_configs_match_what_serve_pair_generates(tmp_path):
+    configs = Path(__file__).resolve().parents[2] / "configs"
+    cfg = make_config(tmp_path)
+    for role in ("producer", "consumer"):
+        assert json.loads((configs / f"kv-transfer-kvtool-{role}.json").read_text()) == kv_transfer_config(cfg, role)
+    assert json.loads((configs / "mooncake-store.json").read_text()) == vllm_mooncake_file_config(cfg.master_address)
+
+
+@pytest.mark.parametrize("params", [None, {"kvtool": {"external_hit_tokens": 85, "tail_hit_tokens": 21}}])
+def test_smoke_table_tolerates_absent_kv_transfer_params(monkeypatch, params):
+    import kvtool.smoke as smoke
+
+    sent = []
+    monkeypatch.setattr(smoke, "_metrics", lambda url: "master_key_count 2\nvllm:external_prefix_cache_hits_total 0\n")
+    monkeypatch.setattr(smoke, "model_vocab_size", lambda model: 1024)
+
+    def fake_complete(base_url, model, prompt, **kwargs):
+        sent.append((base_url, len(prompt), kwargs))
+        return {"usage": {"prompt_tokens_details": {"cached_tokens": 0}}, "kv_transfer_params": params}
+
+    monkeypatch.setattr(smoke, "complete", fake_complete)
+    info = {"model": "/m", "admin": None, "producer": "P", "consumer": "C", "connector": "x", "store": None}
+    console = Console(record=True, width=100)
+    cases = smoke.run_smoke({**info, "block_size": 32}, console)
+    assert [(url, n) for url, n, _ in sent] == [("P", 20), ("C", 50), ("P", 85), ("C", 115)]
+    assert sent[1][2] == {"max_tokens": 8, "logprobs": 5}
+    assert [c["kv_transfer_params"] for c in cases] == [params, params]
+    text = console.export_text()
+    assert ("(absent)" in text) == (params is None)
+    assert ("kvtool.tail_hit_tokens" in text) == (params is not None)
