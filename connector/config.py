@@ -46,6 +46,9 @@ class KVToolConfig(BaseModel):
     model_id: str | None = Field(default=None, description="model identity in the namespace; default: served model")
     weights_digest: str = Field(default="", description="optional weights digest folded into the namespace")
 
+    # Observability: one JSON line per finished request with its hit details (for kvtool bench).
+    request_log: str | None = Field(default=None, description="path of a JSONL file of per-request hit details")
+
     # Fail-closed time-outs.
     lookup_timeout_s: float = Field(default=2.0, gt=0)
     load_timeout_s: float = Field(default=10.0, gt=0)

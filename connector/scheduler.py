@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -19,6 +20,28 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger("vllm.kvtool")
+
+
+class RequestLog:
+    """Appends one JSON line per finished request: its hit details, its vLLM request id, and the
+    ``kvtool_tag`` the client put in the request's ``kv_transfer_params`` (streamed responses carry
+    no ``kv_transfer_params``, so a client attributes hits through this file)."""
+
+    def __init__(self, path: str):
+        self._path = path
+        self._failed = False
+
+    def write(self, request: Request, details: dict[str, Any]) -> None:
+        if self._failed:
+            return
+        params = getattr(request, "kv_transfer_params", None) or {}
+        record = {"request_id": request.request_id, "tag": params.get("kvtool_tag"), **details}
+        try:
+            with open(self._path, "a", encoding="utf-8") as log:
+                log.write(json.dumps(record, separators=(",", ":")) + "\n")
+        except OSError as exc:
+            self._failed = True
+            logger.warning("kvtool: cannot write the request log %s (%s); no longer writing it", self._path, exc)
 
 
 def request_identity(request: Request) -> RequestIdentity:
@@ -69,6 +92,7 @@ class SchedulerSide:
         self._warned: set[str] = set()
         self.lookups = 0
         self.lookup_errors = 0
+        self._request_log = RequestLog(config.request_log) if config.request_log else None
 
     # -- lookup -------------------------------------------------------------------------------------
 
@@ -203,7 +227,10 @@ class SchedulerSide:
         tracked = self._tracked.pop(request.request_id, None)
         if tracked is None:
             return False, None
-        return False, {"kvtool": self.hit_details(tracked)}
+        details = self.hit_details(tracked)
+        if self._request_log is not None:
+            self._request_log.write(request, details)
+        return False, {"kvtool": details}
 
     @staticmethod
     def hit_details(tracked: _Tracked) -> dict[str, Any]:

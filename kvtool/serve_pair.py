@@ -104,9 +104,10 @@ def kvtool_extra_config(
     hash_unit: int = 1,
     global_segment_size: int = 256 * MiB,
     local_buffer_size: int = 64 * MiB,
+    request_log: Path | None = None,
 ) -> dict[str, Any]:
     """The kvtool connector's kv_connector_extra_config (validated by connector.config)."""
-    return {
+    extra: dict[str, Any] = {
         "master_server_address": master_address,
         "metadata_server": "P2PHANDSHAKE",
         "protocol": "tcp",
@@ -115,6 +116,14 @@ def kvtool_extra_config(
         "local_buffer_size": local_buffer_size,
         "hash_unit": hash_unit,
     }
+    if request_log is not None:
+        extra["request_log"] = str(request_log)
+    return extra
+
+
+def request_log_path(cfg: ServePairConfig, role: Role) -> Path:
+    """Where the kvtool connector of ``role`` writes its per-request hit details (JSON lines)."""
+    return cfg.log_dir / f"{role}-requests.jsonl"
 
 
 def vllm_mooncake_file_config(
@@ -153,7 +162,11 @@ def kv_transfer_config(cfg: ServePairConfig, role: Role) -> dict[str, Any] | Non
         "kv_role": kv_role,
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": kvtool_extra_config(
-            cfg.master_address, cfg.hash_unit, cfg.engine_segment_bytes, cfg.local_buffer_bytes
+            cfg.master_address,
+            cfg.hash_unit,
+            cfg.engine_segment_bytes,
+            cfg.local_buffer_bytes,
+            request_log_path(cfg, role),
         ),
     }
 
@@ -356,6 +369,9 @@ def ready_info(cfg: ServePairConfig, pids: dict[str, int], admin_url: str | None
         "store": cfg.store if cfg.uses_mooncake else None,
         "store_address": f"{LOOPBACK}:{cfg.store_port}" if cfg.starts_store else None,
         "log_dir": str(cfg.log_dir),
+        "request_logs": {role: str(request_log_path(cfg, role)) for role in ("producer", "consumer")}
+        if cfg.connector == "kvtool"
+        else None,
         "pids": pids,
     }
 

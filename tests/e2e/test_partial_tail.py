@@ -76,3 +76,29 @@ def test_a_prompt_never_published_misses(pair):
     details, _ = consume(pair, prompt(5, 70))
     assert details["external_hit_tokens"] == 0
     assert details["lookup"] == "miss"
+
+
+def test_streamed_requests_are_attributed_through_the_request_log(pair):
+    import json
+    from pathlib import Path
+
+    base = prompt(6, 40)
+    produce(pair, base)
+    tag = "stream-attribution-1"
+    streamed = complete(
+        pair["consumer"],
+        pair["model"],
+        base + prompt(7, 9),
+        max_tokens=3,
+        stream=True,
+        kv_transfer_params={"kvtool_tag": tag},
+    )
+    assert streamed["usage"]["prompt_tokens_details"]["cached_tokens"] == 40
+    lines = Path(pair["request_logs"]["consumer"]).read_text().splitlines()
+    records = [json.loads(line) for line in lines if tag in line]
+    assert len(records) == 1
+    assert (records[0]["external_hit_tokens"], records[0]["block_hit_tokens"], records[0]["tail_hit_tokens"]) == (
+        40,
+        32,
+        8,
+    )

@@ -25,6 +25,7 @@ from kvtool.serve_pair import (
     mooncake_config_path,
     preflight,
     ready_info,
+    request_log_path,
     store_argv,
     vllm_mooncake_file_config,
     write_json_atomically,
@@ -78,8 +79,11 @@ def test_kvtool_connector_transfer_config(tmp_path, role, kv_role):
         "kv_connector_module_path": "connector.connector",
         "kv_role": kv_role,
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": kvtool_extra_config("127.0.0.1:6000", hash_unit=2),
+        "kv_connector_extra_config": kvtool_extra_config(
+            "127.0.0.1:6000", hash_unit=2, request_log=request_log_path(cfg, role)
+        ),
     }
+    assert transfer["kv_connector_extra_config"]["request_log"].endswith(f"{role}-requests.jsonl")
 
 
 def test_kv_load_failure_policy_exists_in_installed_vllm():
@@ -172,6 +176,10 @@ def test_ready_info_content(tmp_path):
         "store": "embedded",
         "store_address": None,
         "log_dir": str(tmp_path / "logs"),
+        "request_logs": {
+            "producer": str(tmp_path / "logs" / "producer-requests.jsonl"),
+            "consumer": str(tmp_path / "logs" / "consumer-requests.jsonl"),
+        },
         "pids": {"master": 1, "producer": 2, "consumer": 3},
     }
     ready = tmp_path / "ready.json"
@@ -319,7 +327,9 @@ def test_example_configs_match_what_serve_pair_generates(tmp_path):
     configs = Path(__file__).resolve().parents[2] / "configs"
     cfg = make_config(tmp_path)
     for role in ("producer", "consumer"):
-        assert json.loads((configs / f"kv-transfer-kvtool-{role}.json").read_text()) == kv_transfer_config(cfg, role)
+        generated = kv_transfer_config(cfg, role)
+        del generated["kv_connector_extra_config"]["request_log"]  # a per-run path, not part of the example
+        assert json.loads((configs / f"kv-transfer-kvtool-{role}.json").read_text()) == generated
     assert json.loads((configs / "mooncake-store.json").read_text()) == vllm_mooncake_file_config(cfg.master_address)
 
 
