@@ -27,9 +27,21 @@ class RequestLoad:
 
 
 @dataclass(frozen=True)
+class StoredObject:
+    """An object of the prompt that the store already holds (no put needed)."""
+
+    kind: KeyKind
+    token_start: int
+    token_end: int
+
+
+@dataclass(frozen=True)
 class RequestSave:
     req_id: str
-    transfers: tuple[BlockTransfer, ...]
+    transfers: tuple[BlockTransfer, ...]  # objects to put, in prompt order
+    already_stored: tuple[StoredObject, ...] = ()
+    prompt_tokens: int = 0
+    tag: str | None = None  # the client's kvtool_tag, echoed in the watermark record
 
 
 @dataclass

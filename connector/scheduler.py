@@ -8,9 +8,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .config import KVToolConfig
-from .data import BlockTransfer, KVToolMetadata, RequestLoad, RequestSave
+from .data import BlockTransfer, KVToolMetadata, RequestLoad, RequestSave, StoredObject
 from .hashing import RequestIdentity
-from .keys import KeyKind, Namespace
+from .keys import KeyKind, Namespace, watermark_key
+from .watermarks import SEQ_FINAL
 from .prefix import LoadPlan, ObjectSave, PromptKeys, find_stored_prefix, plan_load, plan_save
 from .store import KVStore, StoreError
 
@@ -192,12 +193,15 @@ class SchedulerSide:
         if num_computed + scheduled < prompt_len:
             return
         tracked.save_scheduled = True
-        saves = self._not_yet_stored(plan_save(tracked.keys))
-        usable = [s for s in saves if s.block_index < len(tracked.block_ids)]
-        if len(usable) != len(saves):
+        planned = plan_save(tracked.keys)
+        present = self._present(planned)
+        missing = [s for s, found in zip(planned, present, strict=True) if not found]
+        usable = [s for s in missing if s.block_index < len(tracked.block_ids)]
+        if len(usable) != len(missing):
             self._warn_once("blocks", "kvtool: a request had fewer blocks than its prompt; saved what it had")
         if not usable:
             return
+        params = getattr(tracked.request, "kv_transfer_params", None) or {}
         meta.saves.append(
             RequestSave(
                 req_id,
@@ -205,6 +209,13 @@ class SchedulerSide:
                     BlockTransfer(tracked.block_ids[s.block_index], s.kind, s.token_start, s.token_end, s.chain_hash)
                     for s in usable
                 ),
+                already_stored=tuple(
+                    StoredObject(s.kind, s.token_start, s.token_end)
+                    for s, found in zip(planned, present, strict=True)
+                    if found
+                ),
+                prompt_tokens=prompt_len,
+                tag=params.get("kvtool_tag"),
             )
         )
         tracked.save_objects = len(usable)
@@ -212,14 +223,13 @@ class SchedulerSide:
         tails = [s.token_end for s in usable if s.kind is KeyKind.TAIL]
         tracked.tail_boundary_saved = tails[0] if tails else None
 
-    def _not_yet_stored(self, saves: list[ObjectSave]) -> list[ObjectSave]:
-        """Drop objects the store already holds (one existence query); on a store error keep them all,
-        since a put of a present key is a no-op."""
+    def _present(self, saves: list[ObjectSave]) -> list[bool]:
+        """Which of the prompt's objects the store holds already (one existence query); on a store
+        error, none (a put of a present key is a no-op)."""
         try:
-            present = self._exists([s.key for s in saves])
+            return self._exists([s.key for s in saves])
         except StoreError:
-            return saves
-        return [s for s, found in zip(saves, present, strict=True) if not found]
+            return [False] * len(saves)
 
     # -- finish -------------------------------------------------------------------------------------
 
@@ -247,6 +257,10 @@ class SchedulerSide:
             "save_tail_boundary": tracked.tail_boundary_saved,
             # Puts run in order: once this key is in the store, every object of the save was tried.
             "save_last_key": tracked.last_saved_key,
+            # Written after every put of the save: its presence means the save ended (see its state).
+            "watermark_key": watermark_key(tracked.keys.namespace, tracked.request.request_id, SEQ_FINAL)
+            if tracked.save_objects
+            else None,
             "namespace": tracked.keys.namespace,
         }
 

@@ -10,24 +10,60 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
+import warnings
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from .data import BlockTransfer, KVToolMetadata, RequestLoad, RequestSave
-from .keys import KeyKind, Namespace, block_key, tail_key
+from .keys import KeyKind, Namespace, block_key, tail_key, watermark_key
 from .objects import ObjectHeader, ObjectRejected, encode_object, verify_object
 from .store import KVStore, PutOutcome, StoreError
+from .watermarks import SEQ_FINAL, SEQ_PENDING, ObjectProgress, WatermarkRecord, watermark
 
 logger = logging.getLogger("vllm.kvtool")
+
+# Loads only read from the fetched bytes; torch warns that they are read-only.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+
+
+class _SaveJob:
+    """One request's save in flight: its objects' progress, in prompt order, updated by the put thread."""
+
+    def __init__(self, save: RequestSave):
+        self.save = save
+        self.objects = [ObjectProgress(o.kind, o.token_start, o.token_end, "present") for o in save.already_stored]
+        self.transfer_index: list[int] = []
+        for transfer in save.transfers:
+            self.transfer_index.append(len(self.objects))
+            self.objects.append(ObjectProgress(transfer.kind, transfer.token_start, transfer.token_end, "pending"))
+        # Blocks first in token order, the tail last, as the watermark rule reads them.
+        order = sorted(
+            range(len(self.objects)), key=lambda i: (self.objects[i].kind is KeyKind.TAIL, self.objects[i].token_start)
+        )
+        position = {old: new for new, old in enumerate(order)}
+        self.objects = [self.objects[i] for i in order]
+        self.transfer_index = [position[i] for i in self.transfer_index]
+
+    def record(self) -> WatermarkRecord:
+        return watermark(self.save.req_id, self.save.tag, self.save.prompt_tokens, self.objects, time.time())
+
+    def settle(self, transfer_number: int, outcome: str) -> None:
+        index = self.transfer_index[transfer_number]
+        self.objects[index] = replace(self.objects[index], outcome=outcome)
 
 
 @dataclass(frozen=True)
 class _PreparedPut:
-    req_id: str
+    """A queued put: an object of a save (``transfer_number`` set) or a watermark record."""
+
+    job: _SaveJob
     key: str
     value: bytes
+    transfer_number: int | None = None
+    final_record: bool = False
 
 
 class WorkerSide:
@@ -166,10 +202,19 @@ class WorkerSide:
             self._snapshot(save)
 
     def _snapshot(self, save: RequestSave) -> None:
-        for transfer in save.transfers:
-            payload = self._read_block(transfer.block_id)
-            value = encode_object(self._header(transfer), payload)
-            self._puts.put(_PreparedPut(save.req_id, self._key(transfer), value))
+        job = _SaveJob(save)
+        prepared = []
+        for number, transfer in enumerate(save.transfers):
+            value = encode_object(self._header(transfer), self._read_block(transfer.block_id))
+            prepared.append(_PreparedPut(job, self._key(transfer), value, transfer_number=number))
+        self._puts.put(_PreparedPut(job, self._watermark_key(save, SEQ_PENDING), job.record().encode()))
+        for item in prepared:
+            self._puts.put(item)
+        # Queued after the data: when the put thread reaches it, every put of the save has ended.
+        self._puts.put(_PreparedPut(job, self._watermark_key(save, SEQ_FINAL), b"", final_record=True))
+
+    def _watermark_key(self, save: RequestSave, seq: int) -> str:
+        return watermark_key(self._ns_key, save.req_id, seq)
 
     def _read_block(self, block_id: int) -> bytes:
         parts = [layer[block_id].contiguous().view(torch.uint8).reshape(-1).numpy().tobytes() for layer in self._layers]
@@ -180,16 +225,26 @@ class WorkerSide:
             item = self._puts.get()
             if item is None:
                 return
-            try:
-                outcome = self._store.put(item.key, item.value) if self._store is not None else PutOutcome.FAILED
-            except StoreError as exc:
-                outcome = PutOutcome.FAILED
-                self._warn_once("put", f"kvtool: put failed, that prefix stays a miss: {exc}")
+            value = item.job.record().encode() if item.final_record else item.value
+            outcome = self._put(item.key, value)
+            if item.transfer_number is None:
+                self._count(f"watermarks_{outcome.value}")
+                continue
+            item.job.settle(item.transfer_number, outcome.value)
             self._count(f"saves_{outcome.value}")
             if outcome is PutOutcome.STORED:
-                self._count("bytes_saved", len(item.value))
+                self._count("bytes_saved", len(value))
             elif outcome is PutOutcome.NO_SPACE:
                 self._warn_once("no-space", "kvtool: the store is full; puts are dropped until it evicts")
+
+    def _put(self, key: str, value: bytes) -> PutOutcome:
+        if self._store is None:
+            return PutOutcome.FAILED
+        try:
+            return self._store.put(key, value)
+        except StoreError as exc:
+            self._warn_once("put", f"kvtool: put failed, that prefix stays a miss: {exc}")
+            return PutOutcome.FAILED
 
     def pending_puts(self) -> int:
         return self._puts.qsize()

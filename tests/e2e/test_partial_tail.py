@@ -23,10 +23,11 @@ def prompt(seed: int, length: int) -> list[int]:
 
 
 def wait_durable(pair: dict, details: dict, timeout_s: float = 60.0) -> None:
-    """Wait until the producer's last published object is in the store (the connector names it)."""
-    key = details.get("save_last_key")
+    """Wait until the producer's save ended: its final watermark record is written after every put."""
+    key = details.get("watermark_key")
     assert key, f"the producer published nothing: {details}"
     assert wait_for_key(pair["admin"], key, timeout_s), f"{key} did not appear in the store in {timeout_s} s"
+    assert wait_for_key(pair["admin"], details["save_last_key"], 0), "the save ended but its last object is missing"
 
 
 def produce(pair: dict, tokens: list[int]) -> dict:

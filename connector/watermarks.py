@@ -1,0 +1,103 @@
+"""Watermarks: how far a producer's save of one request is confirmed in the store. Pure logic.
+
+The block offset is the end of the longest run of full blocks, from token 0, each of which was
+already stored or whose put succeeded. The tail is tracked apart: it is durable only when its own put
+succeeded (or it was already stored) *and* every full block before it is durable. The durable offset
+is the tail boundary when the tail is durable and the block offset otherwise, so a failed tail put
+stays a miss and never moves it. A watermark never runs ahead of loadable data.
+
+Records are published as immutable objects (seq 0 when the save starts, seq 1 when it ends), small
+UTF-8 JSON documents that ``kvtool inspect watermarks`` reads.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from enum import Enum
+
+from .keys import KeyKind
+
+SEQ_PENDING = 0
+SEQ_FINAL = 1
+
+
+class SaveState(str, Enum):
+    PENDING = "pending"
+    DURABLE = "durable"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class ObjectProgress:
+    """One object of a save, in prompt order: its kind, where it ends, and what became of it."""
+
+    kind: KeyKind
+    token_start: int
+    token_end: int
+    outcome: str  # "present" (stored before), "stored", "pending", or a failure label ("no_space", "failed", ...)
+
+    @property
+    def durable(self) -> bool:
+        return self.outcome in ("present", "stored")
+
+
+@dataclass(frozen=True)
+class WatermarkRecord:
+    request_id: str
+    tag: str | None
+    prompt_tokens: int
+    durable_offset: int
+    tail_boundary: int | None
+    tail_durable: bool
+    state: SaveState
+    reason: str | None
+    updated_unix: float
+
+    def encode(self) -> bytes:
+        return json.dumps({**asdict(self), "state": self.state.value}, separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> WatermarkRecord:
+        """Parse a record; raises ValueError for anything that is not one."""
+        try:
+            fields = json.loads(data.decode("utf-8"))
+            fields["state"] = SaveState(fields["state"])
+            return cls(**fields)
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ValueError(f"not a kvtool watermark record: {exc}") from None
+
+
+def watermark(
+    request_id: str, tag: str | None, prompt_tokens: int, objects: list[ObjectProgress], updated_unix: float
+) -> WatermarkRecord:
+    """The watermark of a save whose objects (full blocks in order, then at most one tail) stand as given."""
+    block_offset = 0
+    for obj in objects:
+        if obj.kind is not KeyKind.BLOCK or not obj.durable or obj.token_start != block_offset:
+            break
+        block_offset = obj.token_end
+    tails = [obj for obj in objects if obj.kind is KeyKind.TAIL]
+    tail = tails[0] if tails else None
+    tail_durable = tail is not None and tail.durable and tail.token_start == block_offset
+    durable_offset = tail.token_end if tail is not None and tail_durable else block_offset
+    failures = [obj for obj in objects if not obj.durable and obj.outcome != "pending"]
+    if any(obj.outcome == "pending" for obj in objects):
+        state, reason = SaveState.PENDING, None
+    elif failures:
+        first = failures[0]
+        state = SaveState.FAILED
+        reason = f"{first.kind.name.lower()} put ending at token {first.token_end}: {first.outcome}"
+    else:
+        state, reason = SaveState.DURABLE, None
+    return WatermarkRecord(
+        request_id=request_id,
+        tag=tag,
+        prompt_tokens=prompt_tokens,
+        durable_offset=durable_offset,
+        tail_boundary=tail.token_end if tail is not None else None,
+        tail_durable=tail_durable,
+        state=state,
+        reason=reason,
+        updated_unix=updated_unix,
+    )

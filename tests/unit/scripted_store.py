@@ -1,0 +1,32 @@
+"""A dict-backed store with scripted faults, for forcing failures the real store cannot produce on cue."""
+
+from __future__ import annotations
+
+from connector.store import PutOutcome, StoreError
+
+
+class ScriptedStore:
+    def __init__(self):
+        self.objects: dict[str, bytes] = {}
+        self.fail_exists = False
+        self.fail_get = False
+        self.put_outcome_for = lambda key: PutOutcome.STORED  # key -> outcome
+
+    def exists(self, keys):
+        if self.fail_exists:
+            raise StoreError("existence query timed out after 2 s")
+        return [key in self.objects for key in keys]
+
+    def get(self, keys):
+        if self.fail_get:
+            raise StoreError("object load failed: transfer failed (-800)")
+        return [self.objects.get(key) for key in keys]
+
+    def put(self, key, value):
+        outcome = self.put_outcome_for(key)
+        if outcome is PutOutcome.STORED:
+            self.objects.setdefault(key, bytes(value))  # first put wins
+        return outcome
+
+    def close(self):
+        pass

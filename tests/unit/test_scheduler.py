@@ -1,0 +1,104 @@
+"""Scheduler side with a scripted store: store errors are misses, hits are planned and reported."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from connector.config import load_config
+from connector.hashing import RequestIdentity
+from connector.keys import Namespace
+from connector.prefix import PromptKeys, plan_save
+from connector.scheduler import SchedulerSide
+
+from .scripted_store import ScriptedStore
+
+NS = Namespace(model="m", dtype="float32", kv_layout="cpu", block_size=32, num_layers=2, num_kv_heads=2, head_size=64)
+CONFIG = load_config({"master_server_address": "127.0.0.1:1"})
+PROMPT = list(range(100, 185))
+
+
+def request(tokens, request_id="r1", **extra):
+    fields = {
+        "request_id": request_id,
+        "prompt_token_ids": tokens,
+        "num_computed_tokens": 0,
+        "cache_salt": None,
+        "lora_request": None,
+        "mm_features": [],
+        "kv_transfer_params": None,
+    }
+    fields.update(extra)
+    return SimpleNamespace(**fields)
+
+
+def publish(store, tokens, salt=None):
+    keys = PromptKeys.build(tokens, 32, 1, NS.key_component(), RequestIdentity(cache_salt=salt).root_hash())
+    for save in plan_save(keys):
+        store.objects[save.key] = b"object"
+
+
+def consumer(store):
+    return SchedulerSide(CONFIG, NS, store, loads_enabled=True, saves_enabled=False)
+
+
+def test_a_stored_partial_tail_is_offered_token_exact():
+    store = ScriptedStore()
+    publish(store, PROMPT)
+    side = consumer(store)
+    assert side.get_num_new_matched_tokens(request(PROMPT + [1, 2, 3]), 0) == (85, False)
+    details = side.request_finished(request(PROMPT + [1, 2, 3]))[1]["kvtool"]
+    assert (details["external_hit_tokens"], details["block_hit_tokens"], details["tail_hit_tokens"]) == (85, 64, 21)
+
+
+def test_a_lookup_error_is_a_miss_not_a_failure():
+    store = ScriptedStore()
+    publish(store, PROMPT)
+    store.fail_exists = True
+    side = consumer(store)
+    assert side.get_num_new_matched_tokens(request(PROMPT + [1]), 0) == (0, False)
+    details = side.request_finished(request(PROMPT + [1]))[1]["kvtool"]
+    assert details["lookup"].startswith("error:") and details["external_hit_tokens"] == 0
+    assert side.lookup_errors == 1
+
+
+def test_no_store_means_no_hits():
+    side = SchedulerSide(CONFIG, NS, None, loads_enabled=True, saves_enabled=True)
+    assert side.get_num_new_matched_tokens(request(PROMPT), 0) == (0, False)
+
+
+def test_another_users_salt_never_hits():
+    store = ScriptedStore()
+    publish(store, PROMPT, salt="alice")
+    side = consumer(store)
+    assert side.get_num_new_matched_tokens(request(PROMPT + [1], cache_salt="bob"), 0) == (0, False)
+    assert side.get_num_new_matched_tokens(request(PROMPT + [1], "r2", cache_salt="alice"), 0) == (85, False)
+
+
+def test_the_local_block_aligned_hit_is_not_claimed_again():
+    store = ScriptedStore()
+    publish(store, PROMPT)
+    assert consumer(store).get_num_new_matched_tokens(request(PROMPT), 64) == (20, False)
+
+
+def test_a_producer_saves_in_the_step_that_completes_the_prompt_and_skips_stored_objects():
+    store = ScriptedStore()
+    publish(store, PROMPT[:64])  # the two full blocks are already stored
+    side = SchedulerSide(CONFIG, NS, store, loads_enabled=False, saves_enabled=True)
+    req = request(PROMPT, kv_transfer_params={"kvtool_tag": "t9"})
+    side.get_num_new_matched_tokens(req, 0)
+    chunk = SimpleNamespace(req_id="r1", block_ids=([4, 5, 6],), num_computed_tokens=0)
+    cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[])
+    first = side.build_connector_meta(
+        SimpleNamespace(scheduled_new_reqs=[chunk], scheduled_cached_reqs=cached, num_scheduled_tokens={"r1": 48})
+    )
+    assert first.saves == []  # chunked prefill: the prompt is not complete yet
+    cached = SimpleNamespace(req_ids=["r1"], new_block_ids=[None], resumed_req_ids=set(), num_computed_tokens=[48])
+    second = side.build_connector_meta(
+        SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=cached, num_scheduled_tokens={"r1": 37})
+    )
+    (save,) = second.saves
+    assert [(t.block_id, t.kind.value, t.token_end) for t in save.transfers] == [(6, "t", 85)]
+    assert [(o.kind.value, o.token_end) for o in save.already_stored] == [("b", 32), ("b", 64)]
+    assert (save.prompt_tokens, save.tag) == (85, "t9")
+    details = side.request_finished(req)[1]["kvtool"]
+    assert details["save_tail_boundary"] == 85 and details["watermark_key"].endswith("/1")

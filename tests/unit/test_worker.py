@@ -1,0 +1,149 @@
+"""Worker side over real torch KV tensors and a scripted store: whole-block round trips, checks on
+load, and watermarks that never run ahead of stored data."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from connector.data import BlockTransfer, KVToolMetadata, RequestLoad, RequestSave
+from connector.hashing import RequestIdentity
+from connector.keys import KeyKind, Namespace, decode_key
+from connector.prefix import PromptKeys, plan_save
+from connector.store import PutOutcome
+from connector.watermarks import SaveState, WatermarkRecord
+from connector.worker import WorkerSide
+
+from .scripted_store import ScriptedStore
+
+NUM_BLOCKS, BLOCK = 8, 32
+LAYERS = ["model.layers.0.attn", "model.layers.1.attn"]
+NS = Namespace(
+    model="m", dtype="float32", kv_layout="cpu", block_size=BLOCK, num_layers=2, num_kv_heads=2, head_size=64
+)
+PROMPT = list(range(100, 185))  # 85 tokens: two full blocks and a 21-token tail
+
+
+def kv_caches(fill: str):
+    make = torch.randn if fill == "random" else torch.zeros
+    return {name: make(NUM_BLOCKS, 2, BLOCK, 128) for name in LAYERS}
+
+
+def worker(store, caches, saves=True):
+    side = WorkerSide(NS, store, saves_enabled=saves)
+    side.register_kv_caches(caches, LAYERS, NUM_BLOCKS)
+    return side
+
+
+def transfers(block_ids):
+    keys = PromptKeys.build(PROMPT, BLOCK, 1, NS.key_component(), RequestIdentity().root_hash())
+    saves = plan_save(keys)
+    return tuple(
+        BlockTransfer(block_ids[s.block_index], s.kind, s.token_start, s.token_end, s.chain_hash) for s in saves
+    )
+
+
+def save(store, caches, source_blocks=(3, 5, 1)):
+    side = worker(store, caches)
+    meta = KVToolMetadata(saves=[RequestSave("req-1", transfers(source_blocks), prompt_tokens=len(PROMPT), tag="t1")])
+    side.wait_for_save(meta)
+    side.shutdown()  # drains the put queue
+    return side
+
+
+def records(store):
+    found = {}
+    for key, value in store.objects.items():
+        decoded = decode_key(key)
+        if decoded is not None and decoded.kind is KeyKind.WATERMARK:
+            found[decoded.seq] = WatermarkRecord.decode(value)
+    return found
+
+
+def test_whole_blocks_round_trip_into_other_blocks():
+    store, source = ScriptedStore(), kv_caches("random")
+    save(store, source)
+    target = kv_caches("zeros")
+    loader = worker(store, target, saves=False)
+    loader.start_load_kv(KVToolMetadata(loads=[RequestLoad("req-2", transfers((0, 6, 7)))]))
+    assert loader.get_block_ids_with_load_errors() == set()
+    for name in LAYERS:
+        for src, dst in [(3, 0), (5, 6), (1, 7)]:
+            assert torch.equal(source[name][src], target[name][dst])
+    assert loader.take_stats()["tail_objects_loaded"] == 1
+
+
+def test_a_durable_save_publishes_pending_then_durable_at_the_prompt_length():
+    store = ScriptedStore()
+    save(store, kv_caches("random"))
+    found = records(store)
+    assert found[0].state is SaveState.PENDING and found[0].durable_offset == 0
+    final = found[1]
+    assert (final.state, final.durable_offset, final.tail_boundary, final.tail_durable) == (
+        SaveState.DURABLE,
+        85,
+        85,
+        True,
+    )
+    assert (final.request_id, final.tag, final.prompt_tokens) == ("req-1", "t1", 85)
+
+
+def test_a_failed_tail_put_leaves_the_watermark_at_the_last_full_block_and_the_tail_a_miss():
+    store = ScriptedStore()
+    store.put_outcome_for = lambda key: PutOutcome.NO_SPACE if "/t/" in key else PutOutcome.STORED
+    save(store, kv_caches("random"))
+    final = records(store)[1]
+    assert (final.state, final.durable_offset, final.tail_durable) == (SaveState.FAILED, 64, False)
+    assert "no_space" in final.reason
+    assert not any("/t/" in key for key in store.objects)
+
+
+def test_a_failed_block_put_stops_the_watermark_before_it():
+    store = ScriptedStore()
+    store.put_outcome_for = lambda key: PutOutcome.FAILED if "/b/64/" in key else PutOutcome.STORED
+    save(store, kv_caches("random"))
+    final = records(store)[1]
+    # The tail was stored, but without block 1 it is not loadable: neither offset moves past 32.
+    assert (final.state, final.durable_offset, final.tail_durable) == (SaveState.FAILED, 32, False)
+
+
+def corrupt(store, marker, mutate):
+    key = next(k for k in store.objects if marker in k)
+    store.objects[key] = mutate(store.objects[key])
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda data: data[:-1] + bytes([data[-1] ^ 1]),  # a flipped payload byte
+        lambda data: data[: len(data) // 2],  # truncated
+        lambda data: data[:8] + b"X" * 16 + data[24:],  # another namespace's fingerprint
+    ],
+    ids=["flipped", "truncated", "foreign-namespace"],
+)
+def test_a_bad_object_is_a_load_error_for_its_block_and_every_later_one(mutate):
+    store, source = ScriptedStore(), kv_caches("random")
+    save(store, source)
+    corrupt(store, "/b/64/", mutate)
+    target = kv_caches("zeros")
+    loader = worker(store, target, saves=False)
+    loader.start_load_kv(KVToolMetadata(loads=[RequestLoad("req-2", transfers((0, 6, 7)))]))
+    assert loader.get_block_ids_with_load_errors() == {6, 7}
+    assert torch.equal(source[LAYERS[0]][3], target[LAYERS[0]][0])  # the good first block loaded
+    assert loader.get_block_ids_with_load_errors() == set()  # reported once
+
+
+def test_a_store_error_on_load_invalidates_every_block_of_the_request():
+    store = ScriptedStore()
+    save(store, kv_caches("random"))
+    store.fail_get = True
+    loader = worker(store, kv_caches("zeros"), saves=False)
+    loader.start_load_kv(KVToolMetadata(loads=[RequestLoad("req-2", transfers((0, 6, 7)))]))
+    assert loader.get_block_ids_with_load_errors() == {0, 6, 7}
+    assert loader.take_stats()["load_failures_store_error"] == 1
+
+
+def test_a_worker_without_a_store_reports_planned_loads_as_errors():
+    side = WorkerSide(NS, None, saves_enabled=False)
+    side.start_load_kv(KVToolMetadata(loads=[RequestLoad("req-2", transfers((0, 6, 7)))]))
+    assert side.get_block_ids_with_load_errors() == {0, 6, 7}
