@@ -25,6 +25,10 @@ _MOONCAKE_FIELDS = (
 )
 
 
+# Testing only: names a fault plan file (see connector/faults.py) for engines started by a test.
+FAULT_CONTROL_ENV = "KVTOOL_FAULT_CONTROL_FILE"
+
+
 class ConfigError(ValueError):
     """A bad connector configuration; the message names the field and what it accepts."""
 
@@ -49,6 +53,9 @@ class KVToolConfig(BaseModel):
     # Observability: one JSON line per finished request with its hit details (for kvtool bench).
     request_log: str | None = Field(default=None, description="path of a JSONL file of per-request hit details")
 
+    # Testing only: a JSON fault plan (connector/faults.py) re-read while the engine runs.
+    fault_control_file: str | None = None
+
     # Fail-closed time-outs.
     lookup_timeout_s: float = Field(default=2.0, gt=0)
     load_timeout_s: float = Field(default=10.0, gt=0)
@@ -72,6 +79,8 @@ def load_config(extra_config: dict[str, Any] | None) -> KVToolConfig:
     if file_path:
         merged.update(_read_mooncake_file(Path(file_path)))
     merged.update(raw)
+    if "fault_control_file" not in merged and os.environ.get(FAULT_CONTROL_ENV):
+        merged["fault_control_file"] = os.environ[FAULT_CONTROL_ENV]
     try:
         return KVToolConfig(**merged)
     except ValidationError as exc:

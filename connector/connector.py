@@ -19,7 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from .config import load_config
-from .data import KVToolMetadata
+from .data import KVToolMetadata, KVToolWorkerMeta
 from .layout import UnsupportedLayout, engine_namespace
 from .metrics import KVToolStats
 from .scheduler import SchedulerSide
@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 logger = logging.getLogger("vllm.kvtool")
@@ -144,6 +145,13 @@ class KVToolConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors() if self._worker is not None else set()
+
+    def build_connector_worker_meta(self) -> KVToolWorkerMeta | None:
+        return self._worker.take_load_failures() if self._worker is not None else None
+
+    def update_connector_output(self, connector_output: KVConnectorOutput):
+        if self._scheduler is not None:
+            self._scheduler.record_load_failures(connector_output.kv_connector_worker_meta)
 
     def get_kv_connector_stats(self) -> KVToolStats | None:
         if self._worker is None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 from .keys import KeyKind
 
@@ -48,3 +48,16 @@ class RequestSave:
 class KVToolMetadata(KVConnectorMetadata):
     loads: list[RequestLoad] = field(default_factory=list)
     saves: list[RequestSave] = field(default_factory=list)
+
+
+@dataclass
+class KVToolWorkerMeta(KVConnectorWorkerMetadata):
+    """Worker -> scheduler: loads that failed, so hit details never claim tokens vLLM recomputed."""
+
+    load_failures: dict[str, tuple[int, str]] = field(default_factory=dict)  # req_id -> (first bad token, cause)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        merged = dict(self.load_failures)
+        for req_id, failure in getattr(other, "load_failures", {}).items():
+            merged[req_id] = min(failure, merged.get(req_id, failure))
+        return KVToolWorkerMeta(merged)

@@ -70,6 +70,7 @@ class _Tracked:
     save_objects: int = 0
     tail_boundary_saved: int | None = None
     last_saved_key: str | None = None
+    load_failure: tuple[int, str] | None = None  # (first token recomputed, cause)
 
 
 class SchedulerSide:
@@ -231,6 +232,12 @@ class SchedulerSide:
         except StoreError:
             return [False] * len(saves)
 
+    def record_load_failures(self, worker_meta: object) -> None:
+        for req_id, failure in getattr(worker_meta, "load_failures", {}).items():
+            tracked = self._tracked.get(req_id)
+            if tracked is not None:
+                tracked.load_failure = failure
+
     # -- finish -------------------------------------------------------------------------------------
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
@@ -245,14 +252,25 @@ class SchedulerSide:
     @staticmethod
     def hit_details(tracked: _Tracked) -> dict[str, Any]:
         plan = tracked.plan
+        local = plan.local_tokens if plan else 0
+        external = plan.external_tokens if plan else 0
+        block = plan.block_tokens if plan else 0
+        lookup = tracked.lookup
+        if tracked.load_failure is not None:
+            # vLLM recomputed from the first block that failed: report only what was really reused.
+            first_bad_token, cause = tracked.load_failure
+            external = max(0, min(external, first_bad_token - local))
+            block = min(block, external)
+            lookup = f"load failed: {cause}"
         return {
             "prompt_tokens": len(tracked.keys.tokens),
-            "lookup": tracked.lookup,
+            "lookup": lookup,
             "stored_prefix_tokens": tracked.stored_prefix_tokens,
-            "local_hit_tokens": plan.local_tokens if plan else 0,
-            "external_hit_tokens": plan.external_tokens if plan else 0,
-            "block_hit_tokens": plan.block_tokens if plan else 0,
-            "tail_hit_tokens": plan.tail_tokens if plan else 0,
+            "local_hit_tokens": local,
+            "external_hit_tokens": external,
+            "block_hit_tokens": block,
+            "tail_hit_tokens": external - block,
+            "load_failure": tracked.load_failure[1] if tracked.load_failure else None,
             "save_objects": tracked.save_objects,
             "save_tail_boundary": tracked.tail_boundary_saved,
             # Puts run in order: once this key is in the store, every object of the save was tried.

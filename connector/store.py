@@ -17,7 +17,7 @@ from typing import Protocol, TypeVar
 
 from .config import KVToolConfig
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("vllm.kvtool")
 
 T = TypeVar("T")
 
@@ -76,6 +76,13 @@ class MooncakeStore:
         self._config = config
         self._calls = TimedCalls("kvtool-store", workers=4)
         self._client = self._calls.call(self._connect, config.connect_timeout_s, "connecting to the Mooncake master")
+        if config.fault_control_file:
+            from .faults import FaultyClient
+
+            logger.warning(
+                "kvtool: FAULT INJECTION is on (%s); never use this in production", config.fault_control_file
+            )
+            self._client = FaultyClient(self._client, config.fault_control_file)
 
     def _connect(self):
         from mooncake.store import MooncakeDistributedStore

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .data import BlockTransfer, KVToolMetadata, RequestLoad, RequestSave
+from .data import BlockTransfer, KVToolMetadata, KVToolWorkerMeta, RequestLoad, RequestSave
 from .keys import KeyKind, Namespace, block_key, tail_key, watermark_key
 from .objects import ObjectHeader, ObjectRejected, encode_object, verify_object
 from .store import KVStore, PutOutcome, StoreError
@@ -76,6 +76,7 @@ class WorkerSide:
         self._layers: list[torch.Tensor] = []
         self._block_bytes = 0  # bytes of one block across all layers
         self._invalid_block_ids: set[int] = set()
+        self._load_failures: dict[str, tuple[int, str]] = {}
         self.stats: Counter[str] = Counter()
         self._stats_lock = threading.Lock()
         self._warned: set[str] = set()
@@ -147,7 +148,7 @@ class WorkerSide:
         if not self.ready:
             # Planned loads must still be reported, or vLLM would use blocks nobody filled.
             for load in meta.loads:
-                self._invalid_block_ids.update(t.block_id for t in load.transfers)
+                self._fail_from(load, 0, "no_store", "the worker has no store connection")
             return
         for load in meta.loads:
             self._load_request(load)
@@ -177,6 +178,7 @@ class WorkerSide:
     def _fail_from(self, load: RequestLoad, index: int, cause: str, detail: str) -> None:
         """Mark the failed block and every later one invalid: vLLM recomputes from the first."""
         self._invalid_block_ids.update(t.block_id for t in load.transfers[index:])
+        self._load_failures[load.req_id] = (load.transfers[index].token_start, cause)
         self._count(f"load_failures_{cause}")
         self._warn_once(f"load-{cause}", f"kvtool: load failed ({cause}), recomputing: {detail}")
 
@@ -188,6 +190,12 @@ class WorkerSide:
             source = torch.frombuffer(payload, dtype=torch.uint8, count=size, offset=offset)
             target.copy_(source.view(layer.dtype).view(target.shape))
             offset += size
+
+    def take_load_failures(self) -> KVToolWorkerMeta | None:
+        if not self._load_failures:
+            return None
+        failures, self._load_failures = self._load_failures, {}
+        return KVToolWorkerMeta(failures)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         invalid, self._invalid_block_ids = self._invalid_block_ids, set()

@@ -82,9 +82,13 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     ]
     for flag, port in ports.items():
         argv += [f"--{flag}-port", str(port)]
+    # The engines' connectors read a fault plan from this file while they run (absent: no faults);
+    # the fault suite writes it and removes it again.
+    fault_control = workdir / "faults.json"
+    env = {**os.environ, "KVTOOL_FAULT_CONTROL_FILE": str(fault_control)}
     with open(log_dir / "serve-pair.log", "wb") as own_log:
         process = subprocess.Popen(
-            argv, stdout=own_log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, start_new_session=True
+            argv, stdout=own_log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, start_new_session=True, env=env
         )
     try:
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -99,6 +103,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
                 pytest.fail(_start_failure[-1], pytrace=False)
             time.sleep(0.5)
         info = json.loads(ready_file.read_text())
+        info["fault_control_file"] = str(fault_control)
         yield info
     finally:
         _stop(process)

@@ -102,3 +102,17 @@ def test_a_producer_saves_in_the_step_that_completes_the_prompt_and_skips_stored
     assert (save.prompt_tokens, save.tag) == (85, "t9")
     details = side.request_finished(req)[1]["kvtool"]
     assert details["save_tail_boundary"] == 85 and details["watermark_key"].endswith("/1")
+
+
+def test_a_failed_load_is_reported_as_what_was_really_reused():
+    from connector.data import KVToolWorkerMeta
+
+    store = ScriptedStore()
+    publish(store, PROMPT)
+    side = consumer(store)
+    req = request(PROMPT + [1, 2])
+    assert side.get_num_new_matched_tokens(req, 0) == (85, False)
+    side.record_load_failures(KVToolWorkerMeta({"r1": (64, "checksum")}))
+    details = side.request_finished(req)[1]["kvtool"]
+    assert (details["external_hit_tokens"], details["block_hit_tokens"], details["tail_hit_tokens"]) == (64, 64, 0)
+    assert details["lookup"] == "load failed: checksum" and details["load_failure"] == "checksum"

@@ -130,6 +130,8 @@ def test_a_bad_object_is_a_load_error_for_its_block_and_every_later_one(mutate):
     loader.start_load_kv(KVToolMetadata(loads=[RequestLoad("req-2", transfers((0, 6, 7)))]))
     assert loader.get_block_ids_with_load_errors() == {6, 7}
     assert torch.equal(source[LAYERS[0]][3], target[LAYERS[0]][0])  # the good first block loaded
+    (failure,) = loader.take_load_failures().load_failures.items()
+    assert failure[0] == "req-2" and failure[1][0] == 32  # recomputed from token 32
     assert loader.get_block_ids_with_load_errors() == set()  # reported once
 
 

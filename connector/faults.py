@@ -1,0 +1,106 @@
+"""Fault injection below the store adapter, for the fault suite. Off unless configured.
+
+When ``fault_control_file`` is set, the Mooncake client is wrapped: before each call the wrapper
+re-reads the JSON fault plan from that file (when it changed), so a test can switch faults on and off
+in a running engine. The faults sit under the adapter's time-outs and checks, where real ones would:
+a delay is a slow store, a corrupted value is a torn or foreign object, a failed put is a full store.
+Production configurations never set ``fault_control_file``; the connector warns loudly when it is set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+_NO_SPACE = -200
+_TRANSFER_FAILED = -800
+_RPC_FAILED = -900
+
+
+class FaultPlan(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    delay_s: float = 0.0  # added to every call (a slow store)
+    fail_exists: bool = False  # existence queries fail (RPC failure)
+    fail_get: bool = False  # loads find nothing (the segment's owner is gone)
+    corrupt_get: Literal["flip", "truncate", "namespace"] | None = None  # what loads read back
+    put_outcome: Literal["no_space", "failed"] | None = None
+    put_kinds: tuple[Literal["b", "t", "w"], ...] = ("b", "t", "w")  # which keys put_outcome applies to
+
+
+def _kind_of(key: str) -> str:
+    parts = key.split("/")
+    return parts[3] if len(parts) > 3 else ""
+
+
+def corrupt(value: bytes, how: str) -> bytes:
+    if not value:
+        return value
+    if how == "flip":
+        return value[:-1] + bytes([value[-1] ^ 0x01])
+    if how == "truncate":
+        return value[: len(value) // 2]
+    # Another namespace: the header's fingerprint (bytes 8..24) is someone else's.
+    return value[:8] + bytes(b ^ 0xFF for b in value[8:24]) + value[24:]
+
+
+class FaultyClient:
+    """Wraps a MooncakeDistributedStore; the calls the adapter uses go through the current fault plan."""
+
+    def __init__(self, client, control_file: str):
+        self._client = client
+        self._control_file = control_file
+        self._plan = FaultPlan()
+        self._stamp: float | None = None
+
+    def plan(self) -> FaultPlan:
+        try:
+            stamp = os.stat(self._control_file).st_mtime_ns
+        except OSError:
+            self._plan, self._stamp = FaultPlan(), None
+            return self._plan
+        if stamp != self._stamp:
+            try:
+                with open(self._control_file, encoding="utf-8") as handle:
+                    self._plan = FaultPlan(**json.load(handle))
+            except (OSError, ValueError, ValidationError):
+                self._plan = FaultPlan()  # a half-written or bad plan injects nothing
+            self._stamp = stamp
+        return self._plan
+
+    def _enter(self) -> FaultPlan:
+        plan = self.plan()
+        if plan.delay_s:
+            time.sleep(plan.delay_s)
+        return plan
+
+    def batch_is_exist(self, keys):
+        plan = self._enter()
+        if plan.fail_exists:
+            return [_RPC_FAILED] * len(keys)
+        return self._client.batch_is_exist(keys)
+
+    def get_batch(self, keys):
+        plan = self._enter()
+        if plan.fail_get:
+            return [b""] * len(keys)
+        values = self._client.get_batch(keys)
+        if plan.corrupt_get is None:
+            return values
+        return [
+            corrupt(bytes(v), plan.corrupt_get) if _kind_of(k) in ("b", "t") else v
+            for k, v in zip(keys, values, strict=True)
+        ]
+
+    def put(self, key, value):
+        plan = self._enter()
+        if plan.put_outcome is not None and _kind_of(key) in plan.put_kinds:
+            return _NO_SPACE if plan.put_outcome == "no_space" else _TRANSFER_FAILED
+        return self._client.put(key, value)
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)

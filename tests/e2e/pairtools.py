@@ -1,0 +1,45 @@
+"""Requests against the session pair, shared by the end-to-end tests."""
+
+from __future__ import annotations
+
+import random
+
+from kvtool.admin import wait_for_key
+from kvtool.client import complete
+from kvtool.verify import compare_answers
+
+TOLERANCE = 1e-3  # max |logprob difference| against a full recomputation
+GENERATE = 6
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 900) for _ in range(length)]
+
+
+def wait_save_ended(pair: dict, details: dict, timeout_s: float = 60.0) -> None:
+    """Wait until the producer's save ended: its final watermark record is written after every put."""
+    key = details.get("watermark_key")
+    assert key, f"the producer published nothing: {details}"
+    assert wait_for_key(pair["admin"], key, timeout_s), f"{key} did not appear in the store in {timeout_s} s"
+
+
+def produce(pair: dict, tokens: list[int], expect_stored: bool = True) -> dict:
+    response = complete(pair["producer"], pair["model"], tokens, max_tokens=1)
+    details = response["kv_transfer_params"]["kvtool"]
+    wait_save_ended(pair, details)
+    if expect_stored:
+        assert wait_for_key(pair["admin"], details["save_last_key"], 0), "the save ended without its last object"
+    return details
+
+
+def consume(pair: dict, tokens: list[int]) -> tuple[dict, dict]:
+    extra = {"return_tokens_as_token_ids": True}
+    answer = complete(pair["consumer"], pair["model"], tokens, max_tokens=GENERATE, logprobs=5, extra=extra)
+    # prompt_logprobs makes vLLM skip every cache for this request: a full recomputation.
+    reference = complete(
+        pair["consumer"], pair["model"], tokens, max_tokens=GENERATE, logprobs=5, prompt_logprobs=1, extra=extra
+    )
+    comparison = compare_answers(answer, reference, TOLERANCE)
+    assert comparison.matches, comparison.reason
+    return answer["kv_transfer_params"]["kvtool"], answer

@@ -1,0 +1,142 @@
+"""Faults injected below the store adapter of the running pair: every request completes, every answer
+equals a recomputation, the hit details and metrics name the cause, and watermarks stay behind data."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from connector.config import load_config
+from connector.store import MooncakeStore
+from connector.watermarks import SaveState, WatermarkRecord
+from kvtool.client import complete
+
+from .pairtools import consume, produce, prompt
+
+pytestmark = pytest.mark.e2e
+
+
+@contextlib.contextmanager
+def faults(pair: dict, **plan):
+    path = Path(pair["fault_control_file"])
+    staging = path.with_suffix(".tmp")
+    staging.write_text(json.dumps(plan))
+    os.replace(staging, path)
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="module")
+def reader(pair):
+    """A store client of the test's own, lending no memory, to read watermark records."""
+    client = MooncakeStore(load_config({"master_server_address": pair["master"], "global_segment_size": 0}))
+    yield client
+    client.close()
+
+
+def metric(pair: dict, role: str, name: str) -> float:
+    text = httpx.get(f"{pair[role]}/metrics", timeout=10).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and not line.startswith("#"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def wait_metric(pair: dict, role: str, name: str, above: float, timeout_s: float = 30.0) -> float:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = metric(pair, role, name)
+        if value > above or time.monotonic() > deadline:
+            return value
+        time.sleep(0.5)
+
+
+@pytest.mark.parametrize("how,cause", [("flip", "checksum"), ("truncate", "truncated"), ("namespace", "namespace")])
+def test_a_corrupted_object_is_rejected_and_recomputed(pair, how, cause):
+    base = prompt(100 + len(how), 85)
+    produce(pair, base)
+    before = metric(pair, "consumer", f"vllm:kvtool_load_failures_{cause}_total")
+    with faults(pair, corrupt_get=how):
+        details, _ = consume(pair, base + prompt(7, 12))  # the answer equals the recomputation
+    assert details["load_failure"] == cause
+    assert details["external_hit_tokens"] == 0
+    assert wait_metric(pair, "consumer", f"vllm:kvtool_load_failures_{cause}_total", before) > before
+
+
+def test_objects_gone_after_a_positive_lookup_are_a_recompute(pair):
+    """The segment's owner died between "exists" and the load: the load finds nothing."""
+    base = prompt(110, 50)
+    produce(pair, base)
+    with faults(pair, fail_get=True):
+        details, _ = consume(pair, base + prompt(8, 20))
+    assert details["load_failure"] == "missing" and details["external_hit_tokens"] == 0
+
+
+def test_a_slow_store_is_a_miss_within_the_lookup_timeout(pair):
+    base = prompt(120, 40)
+    produce(pair, base)
+    with faults(pair, delay_s=4.0):  # past the 2 s lookup time-out
+        details, _ = consume(pair, base + prompt(9, 10))
+    assert details["lookup"].startswith("error:") and "timed out" in details["lookup"]
+    assert details["external_hit_tokens"] == 0
+    details, _ = consume(pair, base + prompt(10, 10))  # back to normal: the tail hits again
+    assert details["local_hit_tokens"] + details["external_hit_tokens"] == 40  # block 0 is local by now
+    assert details["tail_hit_tokens"] == 8
+
+
+def test_a_full_store_keeps_the_tail_a_miss_and_the_watermark_at_the_last_block(pair, reader):
+    base = prompt(130, 85)
+    with faults(pair, put_outcome="no_space", put_kinds=["t"]):
+        published = produce(pair, base, expect_stored=False)
+    (value,) = reader.get([published["watermark_key"]])
+    record = WatermarkRecord.decode(value)
+    assert (record.state, record.durable_offset, record.tail_durable) == (SaveState.FAILED, 64, False)
+    assert "no_space" in record.reason
+    details, _ = consume(pair, base + prompt(11, 10))
+    assert (details["external_hit_tokens"], details["tail_hit_tokens"]) == (64, 0)
+
+
+def test_a_durable_save_publishes_its_watermark_at_the_prompt_length(pair, reader):
+    base = prompt(140, 53)
+    published = produce(pair, base)
+    (value,) = reader.get([published["watermark_key"]])
+    record = WatermarkRecord.decode(value)
+    assert (record.state, record.durable_offset, record.tail_boundary, record.tail_durable) == (
+        SaveState.DURABLE,
+        53,
+        53,
+        True,
+    )
+
+
+def test_the_same_prompt_published_twice_at_once_gives_one_object_and_no_error(pair):
+    from concurrent.futures import ThreadPoolExecutor
+
+    base = prompt(150, 70)
+    with ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(lambda _: complete(pair["producer"], pair["model"], base, max_tokens=1), range(2)))
+    assert all(a["choices"][0]["finish_reason"] for a in answers)
+    details, _ = consume(pair, base + prompt(12, 5))
+    assert details["external_hit_tokens"] == 70
+
+
+@pytest.mark.parametrize("bad_prompt", [[], list(range(10, 10 + 2100))], ids=["empty", "longer-than-the-model"])
+def test_bad_prompts_get_a_clear_error_and_the_engine_keeps_serving(pair, bad_prompt):
+    from kvtool.errors import ServerError
+
+    with pytest.raises(ServerError) as info:
+        complete(pair["consumer"], pair["model"], bad_prompt, max_tokens=2)
+    assert "HTTP 400" in str(info.value)
+    base = prompt(160 + len(bad_prompt), 30)  # a prompt of its own per case
+    produce(pair, base)
+    details, _ = consume(pair, base + prompt(13, 5))
+    assert details["external_hit_tokens"] == 30
