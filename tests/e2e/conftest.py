@@ -21,6 +21,7 @@ import pytest
 
 from kvtool import client
 from kvtool.procs import find_free_port, log_tail
+from tests.master import Master
 
 READY_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 60.0
@@ -57,7 +58,16 @@ _start_failure: list[str] = []
 
 
 @pytest.fixture(scope="session")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+def pair_master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Master]:
+    """The pair's mooncake_master, owned by the tests (not serve-pair) so a test can kill and restart it."""
+    master = Master(tmp_path_factory.mktemp("master") / "master.log")
+    master.start()
+    yield master
+    master.stop()
+
+
+@pytest.fixture(scope="session")
+def pair(tmp_path_factory: pytest.TempPathFactory, pair_master: Master) -> Iterator[dict[str, Any]]:
     """The parsed ready file of a running serve-pair (see kvtool.serve_pair.ready_info)."""
     if _start_failure:
         pytest.fail(f"serve-pair failed to start earlier in this session:\n{_start_failure[0]}", pytrace=False)
@@ -65,7 +75,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     ready_file = workdir / "ready.json"
     log_dir = workdir / "logs"
     log_dir.mkdir()
-    ports = {flag: find_free_port() for flag in ("producer", "consumer", "master", "admin", "store")}
+    ports = {flag: find_free_port() for flag in ("producer", "consumer", "store")}
     argv = [
         sys.executable,
         "-m",
@@ -79,6 +89,8 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         os.environ.get("KVTOOL_E2E_CONNECTOR", "kvtool"),
         "--store",
         os.environ.get("KVTOOL_E2E_STORE", "embedded"),
+        "--master",
+        pair_master.address,
     ]
     for flag, port in ports.items():
         argv += [f"--{flag}-port", str(port)]
@@ -104,6 +116,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             time.sleep(0.5)
         info = json.loads(ready_file.read_text())
         info["fault_control_file"] = str(fault_control)
+        info["admin"] = pair_master.admin
         yield info
     finally:
         _stop(process)
