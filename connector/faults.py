@@ -25,6 +25,7 @@ class FaultPlan(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     delay_s: float = 0.0  # added to every call (a slow store)
+    put_delay_s: float = 0.0  # added to puts only (a producer's save stays in flight)
     fail_exists: bool = False  # existence queries fail (RPC failure)
     fail_get: bool = False  # loads find nothing (the segment's owner is gone)
     corrupt_get: Literal["flip", "truncate", "namespace"] | None = None  # what loads read back
@@ -98,6 +99,8 @@ class FaultyClient:
 
     def put(self, key, value):
         plan = self._enter()
+        if plan.put_delay_s:
+            time.sleep(plan.put_delay_s)
         if plan.put_outcome is not None and _kind_of(key) in plan.put_kinds:
             return _NO_SPACE if plan.put_outcome == "no_space" else _TRANSFER_FAILED
         return self._client.put(key, value)

@@ -140,3 +140,16 @@ def test_bad_prompts_get_a_clear_error_and_the_engine_keeps_serving(pair, bad_pr
     produce(pair, base)
     details, _ = consume(pair, base + prompt(13, 5))
     assert details["external_hit_tokens"] == 30
+
+
+def test_a_lookup_while_the_save_is_in_flight_is_a_miss_or_a_whole_hit(pair):
+    base = prompt(170, 85)
+    seen = []
+    with faults(pair, put_delay_s=0.4):  # each put of the producer's save takes 0.4 s
+        published = complete(pair["producer"], pair["model"], base, max_tokens=1)["kv_transfer_params"]["kvtool"]
+        for extra in range(4):  # look up while the three objects land one by one
+            details, _ = consume(pair, base + prompt(180 + extra, 4))  # answers equal the recomputation
+            seen.append(details["local_hit_tokens"] + details["external_hit_tokens"])
+    assert published["save_objects"] == 3
+    # Only whole objects are ever visible: the reuse is a prefix of stored blocks or the whole prompt.
+    assert all(hit in (0, 32, 64, 85) for hit in seen), seen
