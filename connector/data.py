@@ -42,6 +42,8 @@ class RequestSave:
     already_stored: tuple[StoredObject, ...] = ()
     prompt_tokens: int = 0
     tag: str | None = None  # the client's kvtool_tag, echoed in the watermark record
+    last_block_key: str | None = None  # of the whole prompt, stored before or not
+    tail_key: str | None = None
 
 
 @dataclass

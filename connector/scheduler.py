@@ -217,6 +217,8 @@ class SchedulerSide:
                 ),
                 prompt_tokens=prompt_len,
                 tag=params.get("kvtool_tag"),
+                last_block_key=next((s.key for s in reversed(planned) if s.kind is KeyKind.BLOCK), None),
+                tail_key=next((s.key for s in planned if s.kind is KeyKind.TAIL), None),
             )
         )
         tracked.save_objects = len(usable)

@@ -53,6 +53,10 @@ class WatermarkRecord:
     state: SaveState
     reason: str | None
     updated_unix: float
+    # The keys of the prompt's last full block and of its tail: a reader that hashes a prompt matches
+    # records to it by these (``kvtool inspect prompt``).
+    last_block_key: str | None = None
+    tail_key: str | None = None
 
     def encode(self) -> bytes:
         return json.dumps({**asdict(self), "state": self.state.value}, separators=(",", ":")).encode()
@@ -69,7 +73,13 @@ class WatermarkRecord:
 
 
 def watermark(
-    request_id: str, tag: str | None, prompt_tokens: int, objects: list[ObjectProgress], updated_unix: float
+    request_id: str,
+    tag: str | None,
+    prompt_tokens: int,
+    objects: list[ObjectProgress],
+    updated_unix: float,
+    last_block_key: str | None = None,
+    tail_key: str | None = None,
 ) -> WatermarkRecord:
     """The watermark of a save whose objects (full blocks in order, then at most one tail) stand as given."""
     block_offset = 0
@@ -100,4 +110,6 @@ def watermark(
         state=state,
         reason=reason,
         updated_unix=updated_unix,
+        last_block_key=last_block_key,
+        tail_key=tail_key,
     )

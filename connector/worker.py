@@ -48,7 +48,10 @@ class _SaveJob:
         self.transfer_index = [position[i] for i in self.transfer_index]
 
     def record(self) -> WatermarkRecord:
-        return watermark(self.save.req_id, self.save.tag, self.save.prompt_tokens, self.objects, time.time())
+        save = self.save
+        return watermark(
+            save.req_id, save.tag, save.prompt_tokens, self.objects, time.time(), save.last_block_key, save.tail_key
+        )
 
     def settle(self, transfer_number: int, outcome: str) -> None:
         index = self.transfer_index[transfer_number]

@@ -100,6 +100,7 @@ def test_a_producer_saves_in_the_step_that_completes_the_prompt_and_skips_stored
     assert [(t.block_id, t.kind.value, t.token_end) for t in save.transfers] == [(6, "t", 85)]
     assert [(o.kind.value, o.token_end) for o in save.already_stored] == [("b", 32), ("b", 64)]
     assert (save.prompt_tokens, save.tag) == (85, "t9")
+    assert "/b/64/" in save.last_block_key and "/t/85/" in save.tail_key
     details = side.request_finished(req)[1]["kvtool"]
     assert details["save_tail_boundary"] == 85 and details["watermark_key"].endswith("/1")
 

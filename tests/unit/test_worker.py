@@ -45,7 +45,18 @@ def transfers(block_ids):
 
 def save(store, caches, source_blocks=(3, 5, 1)):
     side = worker(store, caches)
-    meta = KVToolMetadata(saves=[RequestSave("req-1", transfers(source_blocks), prompt_tokens=len(PROMPT), tag="t1")])
+    meta = KVToolMetadata(
+        saves=[
+            RequestSave(
+                "req-1",
+                transfers(source_blocks),
+                prompt_tokens=len(PROMPT),
+                tag="t1",
+                last_block_key="kvtool/last-block",
+                tail_key="kvtool/tail",
+            )
+        ]
+    )
     side.wait_for_save(meta)
     side.shutdown()  # drains the put queue
     return side
@@ -86,6 +97,7 @@ def test_a_durable_save_publishes_pending_then_durable_at_the_prompt_length():
         True,
     )
     assert (final.request_id, final.tag, final.prompt_tokens) == ("req-1", "t1", 85)
+    assert (final.last_block_key, final.tail_key) == ("kvtool/last-block", "kvtool/tail")
 
 
 def test_a_failed_tail_put_leaves_the_watermark_at_the_last_full_block_and_the_tail_a_miss():

@@ -1,0 +1,83 @@
+"""An engine whose Mooncake master cannot be reached at start-up serves without the connector's help,
+with one warning, instead of failing to start."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtool.client import complete, wait_healthy
+from kvtool.model import ensure_default_model
+from kvtool.procs import find_free_port
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_an_unreachable_master_at_start_leaves_the_engine_serving(tmp_path):
+    model = str(ensure_default_model())
+    port, dead_master = find_free_port(), find_free_port()  # nothing listens on dead_master
+    transfer = {
+        "kv_connector": "KVToolConnector",
+        "kv_connector_module_path": "connector.connector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"master_server_address": f"127.0.0.1:{dead_master}", "connect_timeout_s": 2},
+    }
+    argv = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--block-size",
+        "32",
+        "--max-model-len",
+        "1024",
+        "--dtype",
+        "float32",
+        "--gpu-memory-utilization",
+        "0.2",
+        "--enforce-eager",
+        "--kv-transfer-config",
+        json.dumps(transfer),
+    ]
+    env = {
+        **os.environ,
+        "VLLM_HOST_IP": "127.0.0.1",
+        "MC_TCP_BIND_ADDRESS": "127.0.0.1",
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "PYTHONPATH": str(REPO),
+    }
+    log_path = tmp_path / "engine.log"
+    with open(log_path, "wb") as log:
+        engine = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", timeout_s=300)
+        answer = complete(f"http://127.0.0.1:{port}", model, list(range(10, 60)), max_tokens=3)
+        assert answer["choices"][0]["finish_reason"]
+        assert answer["kv_transfer_params"]["kvtool"]["external_hit_tokens"] == 0
+    finally:
+        engine.terminate()
+        try:
+            engine.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            engine.kill()
+            engine.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(engine.pid, signal.SIGKILL)  # anything of the engine's that outlived it
+    warnings = [line for line in log_path.read_text().splitlines() if "is unavailable" in line and "kvtool" in line]
+    # One from the scheduler side and one from the worker side; nothing per request.
+    assert 1 <= len(warnings) <= 2, warnings
