@@ -39,8 +39,10 @@ class PutOutcome(str, Enum):
 class KVStore(Protocol):
     def exists(self, keys: Sequence[str]) -> list[bool]: ...
 
-    def get(self, keys: Sequence[str]) -> list[bytes | None]:
-        """Objects for ``keys``; None where the key is missing or its transfer failed."""
+    def get(self, keys: Sequence[str], object_bytes: int = 0) -> list[bytes | None]:
+        """Objects for ``keys``; None where the key is missing or its transfer failed.
+
+        ``object_bytes`` (the expected size of each) lets the store split a large batch."""
         ...
 
     def put(self, key: str, value: bytes) -> PutOutcome: ...
@@ -117,11 +119,16 @@ class MooncakeStore:
             raise StoreError(f"existence query failed with code {codes[0]}")
         return [code == 1 for code in codes]
 
-    def get(self, keys: Sequence[str]) -> list[bytes | None]:
+    def get(self, keys: Sequence[str], object_bytes: int = 0) -> list[bytes | None]:
         if not keys:
             return []
+        # The bytes API fails a batch larger than the client's transfer buffer: split it.
+        per_batch = max(1, (self._config.local_buffer_size // 2) // object_bytes) if object_bytes else len(keys)
+        batches = [list(keys[i : i + per_batch]) for i in range(0, len(keys), per_batch)]
         values = self._calls.call(
-            lambda: self._client.get_batch(list(keys)), self._config.load_timeout_s, "object load"
+            lambda: [value for batch in batches for value in self._client.get_batch(batch)],
+            self._config.load_timeout_s,
+            "object load",
         )
         if len(values) != len(keys):
             raise StoreError(f"object load answered {len(values)} of {len(keys)} keys")
@@ -182,8 +189,8 @@ class SharedStore:
     def exists(self, keys: Sequence[str]) -> list[bool]:
         return self._live().exists(keys)
 
-    def get(self, keys: Sequence[str]) -> list[bytes | None]:
-        return self._live().get(keys)
+    def get(self, keys: Sequence[str], object_bytes: int = 0) -> list[bytes | None]:
+        return self._live().get(keys, object_bytes)
 
     def put(self, key: str, value: bytes) -> PutOutcome:
         return self._live().put(key, value)

@@ -19,7 +19,7 @@ import torch
 
 from .data import BlockTransfer, KVToolMetadata, KVToolWorkerMeta, RequestLoad, RequestSave
 from .keys import KeyKind, Namespace, block_key, tail_key, watermark_key
-from .objects import ObjectHeader, ObjectRejected, encode_object, verify_object
+from .objects import HEADER_SIZE, ObjectHeader, ObjectRejected, encode_object, verify_object
 from .store import KVStore, PutOutcome, StoreError
 from .watermarks import SEQ_FINAL, SEQ_PENDING, ObjectProgress, WatermarkRecord, watermark
 
@@ -160,7 +160,7 @@ class WorkerSide:
         assert self._store is not None
         keys = [self._key(t) for t in load.transfers]
         try:
-            values = self._store.get(keys)
+            values = self._store.get(keys, HEADER_SIZE + self._block_bytes)
         except StoreError as exc:
             self._fail_from(load, 0, "store_error", str(exc))
             return

@@ -63,3 +63,12 @@ def test_an_unreachable_master_is_a_store_error(store_config):
     bad = store_config.model_copy(update={"master_server_address": "127.0.0.1:1", "connect_timeout_s": 5})
     with pytest.raises(StoreError):
         MooncakeStore(bad)
+
+
+def test_a_batch_larger_than_the_transfer_buffer_is_split(store):
+    # The fixture's client has a 32 MiB transfer buffer; 40 objects of 1 MiB overflow it.
+    values = [os.urandom(1 << 20) for _ in range(40)]
+    keys = [block_key(NS.key_component(), 32 * (i + 1), os.urandom(16)) for i in range(40)]
+    for key, value in zip(keys, values, strict=True):
+        assert store.put(key, value) is PutOutcome.STORED
+    assert store.get(keys, object_bytes=1 << 20) == values

@@ -17,7 +17,7 @@ class ScriptedStore:
             raise StoreError("existence query timed out after 2 s")
         return [key in self.objects for key in keys]
 
-    def get(self, keys):
+    def get(self, keys, object_bytes=0):
         if self.fail_get:
             raise StoreError("object load failed: transfer failed (-800)")
         return [self.objects.get(key) for key in keys]
