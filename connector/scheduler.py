@@ -65,7 +65,8 @@ class _Tracked:
     plan: LoadPlan | None = None
     stored_prefix_tokens: int = 0
     lookup: str = "not looked up"
-    loaded_tokens: int = 0  # prefix end the request holds without computing (local + external)
+    local_tokens: int = 0  # vLLM's own (block-aligned) prefix-cache hit, as presented to the lookup
+    granted_external: int = 0  # external tokens the scheduler took
     save_scheduled: bool = False
     save_objects: int = 0
     tail_boundary_saved: int | None = None
@@ -114,6 +115,7 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         tracked = self._track(request)
+        tracked.local_tokens = num_computed_tokens
         if not self._loads_enabled or len(tracked.keys.tokens) < 2:
             return 0, False
         self.lookups += 1
@@ -139,11 +141,10 @@ class SchedulerSide:
         block_ids = list(blocks.get_block_ids()[0])
         tracked.block_ids = block_ids
         plan = tracked.plan
+        tracked.granted_external = max(0, num_external_tokens) if plan is not None else 0
         if num_external_tokens <= 0 or plan is None:
-            tracked.loaded_tokens = request.num_computed_tokens
             if plan is not None and plan.external_tokens:
                 tracked.lookup = "hit not taken by the scheduler"
-            tracked.plan = None if num_external_tokens <= 0 else plan
             return
         # The scheduler takes the whole hit or none of it; objects cover whole blocks, so a shorter
         # grant (never seen with one cache group) would still load correct bytes for what it claims.
@@ -154,7 +155,6 @@ class SchedulerSide:
             if obj.block_index <= end_block
         )
         self._pending_loads.append(RequestLoad(request.request_id, transfers))
-        tracked.loaded_tokens = plan.local_tokens + num_external_tokens
 
     # -- metadata -----------------------------------------------------------------------------------
 
@@ -254,9 +254,9 @@ class SchedulerSide:
     @staticmethod
     def hit_details(tracked: _Tracked) -> dict[str, Any]:
         plan = tracked.plan
-        local = plan.local_tokens if plan else 0
-        external = plan.external_tokens if plan else 0
-        block = plan.block_tokens if plan else 0
+        local = tracked.local_tokens
+        external = tracked.granted_external
+        block = min(plan.block_tokens, external) if plan else 0
         lookup = tracked.lookup
         if tracked.load_failure is not None:
             # vLLM recomputed from the first block that failed: report only what was really reused.

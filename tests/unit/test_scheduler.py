@@ -37,6 +37,12 @@ def publish(store, tokens, salt=None):
         store.objects[save.key] = b"object"
 
 
+def allocate(side, req, num_external):
+    """What vLLM's scheduler does after a lookup: allocate blocks and tell the connector what it took."""
+    blocks = SimpleNamespace(get_block_ids=lambda: (list(range(10, 10 + len(req.prompt_token_ids) // 32 + 1)),))
+    side.update_state_after_alloc(req, blocks, num_external)
+
+
 def consumer(store):
     return SchedulerSide(CONFIG, NS, store, loads_enabled=True, saves_enabled=False)
 
@@ -45,8 +51,14 @@ def test_a_stored_partial_tail_is_offered_token_exact():
     store = ScriptedStore()
     publish(store, PROMPT)
     side = consumer(store)
-    assert side.get_num_new_matched_tokens(request(PROMPT + [1, 2, 3]), 0) == (85, False)
-    details = side.request_finished(request(PROMPT + [1, 2, 3]))[1]["kvtool"]
+    req = request(PROMPT + [1, 2, 3])
+    assert side.get_num_new_matched_tokens(req, 0) == (85, False)
+    allocate(side, req, 85)
+    (load,) = side.build_connector_meta(
+        SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=None, num_scheduled_tokens={})
+    ).loads
+    assert [t.block_id for t in load.transfers] == [10, 11, 12]
+    details = side.request_finished(req)[1]["kvtool"]
     assert (details["external_hit_tokens"], details["block_hit_tokens"], details["tail_hit_tokens"]) == (85, 64, 21)
 
 
@@ -113,7 +125,30 @@ def test_a_failed_load_is_reported_as_what_was_really_reused():
     side = consumer(store)
     req = request(PROMPT + [1, 2])
     assert side.get_num_new_matched_tokens(req, 0) == (85, False)
+    allocate(side, req, 85)
     side.record_load_failures(KVToolWorkerMeta({"r1": (64, "checksum")}))
     details = side.request_finished(req)[1]["kvtool"]
     assert (details["external_hit_tokens"], details["block_hit_tokens"], details["tail_hit_tokens"]) == (64, 64, 0)
     assert details["lookup"] == "load failed: checksum" and details["load_failure"] == "checksum"
+
+
+def test_a_hit_served_from_vllms_own_cache_is_reported_as_local():
+    store = ScriptedStore()
+    publish(store, PROMPT[:64])
+    side = consumer(store)
+    req = request(PROMPT)
+    assert side.get_num_new_matched_tokens(req, 64) == (0, False)
+    allocate(side, req, 0)
+    details = side.request_finished(req)[1]["kvtool"]
+    assert (details["local_hit_tokens"], details["external_hit_tokens"]) == (64, 0)
+
+
+def test_a_hit_the_scheduler_does_not_take_is_not_reported():
+    store = ScriptedStore()
+    publish(store, PROMPT)
+    side = consumer(store)
+    req = request(PROMPT + [5])
+    assert side.get_num_new_matched_tokens(req, 0) == (85, False)
+    allocate(side, req, 0)  # e.g. a request that skips the prefix cache
+    details = side.request_finished(req)[1]["kvtool"]
+    assert details["external_hit_tokens"] == 0 and details["lookup"] == "hit not taken by the scheduler"
