@@ -10,7 +10,7 @@ import time
 
 import httpx
 
-from kvtool.errors import ServerError
+from kvtool.errors import ServerError, UserError
 
 
 def key_exists(admin_url: str, key: str, timeout_s: float = 5.0) -> bool:
@@ -31,3 +31,75 @@ def wait_for_key(admin_url: str, key: str, timeout_s: float = 60.0, poll_s: floa
         if time.monotonic() >= deadline:
             return False
         time.sleep(poll_s)
+
+
+# ---- listing and metrics (kvtool inspect) --------------------------------------------------
+
+# Keys per /batch_query_keys call: keeps the raw URL short (a key is under 80 characters).
+BATCH_QUERY_KEYS = 50
+
+
+def admin_get(admin_url: str, path: str, timeout_s: float = 10.0) -> httpx.Response:
+    """GET an admin endpoint; a dead or wrong address is a one-sentence ServerError.
+
+    ``path`` goes into the URL raw (the master does not URL-decode). A 404 from the master for a
+    missing key is an answer, so only other failures, and pages that are not the master's, raise.
+    """
+    url = f"{admin_url.rstrip('/')}{path}"
+    try:
+        answer = httpx.get(url, timeout=timeout_s)
+    except httpx.InvalidURL as exc:
+        raise UserError(
+            f"{admin_url!r} is not a usable admin URL ({exc}); give one like http://127.0.0.1:9003"
+        ) from None
+    except httpx.UnsupportedProtocol:
+        raise UserError(f"{admin_url!r} is not an http:// URL; give one like http://127.0.0.1:9003") from None
+    except httpx.HTTPError as exc:
+        raise ServerError(
+            f"the Mooncake master admin at {admin_url} did not answer ({type(exc).__name__}: {exc}); "
+            "is the master running, and is this its --metrics_port?"
+        ) from None
+    if answer.status_code >= 500 or (answer.status_code != 200 and not _is_master_json(answer)):
+        raise ServerError(
+            f"{url} answered HTTP {answer.status_code}: {admin_url} does not look like a Mooncake master's "
+            "admin port (its --metrics_port)"
+        )
+    return answer
+
+
+def _is_master_json(answer: httpx.Response) -> bool:
+    try:
+        return "success" in answer.json()
+    except ValueError:
+        return False
+
+
+def all_keys(admin_url: str, timeout_s: float = 30.0) -> list[str]:
+    """Every key in the store (``/get_all_keys``: plain text, one key a line)."""
+    answer = admin_get(admin_url, "/get_all_keys", timeout_s)
+    return [line for line in answer.text.splitlines() if line]
+
+
+def object_sizes(admin_url: str, keys: list[str], timeout_s: float = 10.0) -> dict[str, int | None]:
+    """Stored size in bytes of each key's first replica (``/batch_query_keys``); None if it is gone."""
+    sizes: dict[str, int | None] = {}
+    for start in range(0, len(keys), BATCH_QUERY_KEYS):
+        chunk = keys[start : start + BATCH_QUERY_KEYS]
+        answer = admin_get(admin_url, "/batch_query_keys?keys=" + ",".join(chunk), timeout_s)
+        try:
+            data = answer.json().get("data") or {}
+        except ValueError:
+            raise ServerError(f"{admin_url}/batch_query_keys did not answer JSON") from None
+        for key in chunk:
+            entry = data.get(key) or {}
+            replicas = entry.get("values") or []
+            sizes[key] = replicas[0].get("size_") if entry.get("ok") and replicas else None
+    return sizes
+
+
+def metrics_text(admin_url: str, timeout_s: float = 10.0) -> str:
+    """The master's Prometheus metrics page."""
+    answer = admin_get(admin_url, "/metrics", timeout_s)
+    if "master_key_count" not in answer.text:
+        raise ServerError(f"{admin_url}/metrics has no master_key_count: it is not a Mooncake master's admin port")
+    return answer.text

@@ -70,75 +70,84 @@ def model_command(
     out.print(str(ensure_default_model(path, preset=size)), soft_wrap=True, highlight=False)
 
 
-@app.command("serve-pair")
-@user_errors_exit
-def serve_pair_command(
-    model: Annotated[
-        Path | None,
-        typer.Option(
-            help="Hugging Face model directory \\[default: a generated random-weight Llama, see --model-size]"
-        ),
-    ] = None,
-    model_size: Annotated[str, typer.Option(help="preset generated when --model is not given: tiny or bench")] = "tiny",
-    producer_port: Annotated[int, typer.Option(help="producer vLLM server port on 127.0.0.1")] = 8100,
-    consumer_port: Annotated[int, typer.Option(help="consumer vLLM server port on 127.0.0.1")] = 8200,
-    master_port: Annotated[int, typer.Option(help="RPC port of the mooncake_master kvtool starts")] = 50051,
-    admin_port: Annotated[int, typer.Option(help="the master's metrics/admin HTTP port")] = 9003,
-    master: Annotated[
-        str | None, typer.Option(help="HOST:PORT of a running mooncake_master to use instead of starting one")
-    ] = None,
-    store_port: Annotated[int, typer.Option(help="service port of the standalone store (--store standalone)")] = 50052,
-    block_size: Annotated[int, typer.Option(help="vLLM KV block size in tokens (a multiple of 32 on the CPU)")] = 32,
-    hash_unit: Annotated[
-        int, typer.Option(help="tail boundary grid in tokens for the kvtool connector (1 = exact)")
-    ] = 1,
-    store: Annotated[
-        str,
-        typer.Option(
-            help="embedded: each engine lends 256 MiB of segment memory to the store (stored KV dies with its "
-            "engine); standalone: a separate mooncake_client process holds 1 GiB and the engines lend none, "
-            "so stored KV outlives a producer restart"
-        ),
-    ] = "embedded",
-    connector: Annotated[
-        str,
-        typer.Option(
-            help="kvtool (partial-tail connector), vllm-mooncake-store (vLLM's in-tree, whole blocks only) or none"
-        ),
-    ] = "kvtool",
-    log_dir: Annotated[
-        Path | None,
-        typer.Option(help="where the processes' logs go \\[default: ./logs/serve-pair-<timestamp>]"),
-    ] = None,
-    ready_file: Annotated[
-        Path | None,
-        typer.Option(help="once all are healthy, write their addresses here as JSON; removed on exit"),
-    ] = None,
-    smoke: Annotated[
-        bool, typer.Option("--smoke", help="run one producer-then-consumer check, print it, stop")
-    ] = False,
-    kv_cache_gib: Annotated[float, typer.Option(help="KV cache per engine, GiB (VLLM_CPU_KVCACHE_SPACE)")] = 1.0,
-    memory_utilization: Annotated[
-        float,
-        typer.Option(help="--gpu-memory-utilization per engine; small because two engines start together"),
-    ] = 0.3,
-    dtype: Annotated[str, typer.Option(help="vLLM --dtype (float32 keeps logprob comparisons exact)")] = "float32",
-    enforce_eager: Annotated[bool, typer.Option(help="pass --enforce-eager to vLLM (no compilation)")] = False,
-    startup_timeout: Annotated[float, typer.Option(help="seconds to wait for both servers to be healthy")] = 300.0,
-) -> None:
-    """Start a Mooncake master, a producer and a consumer vLLM server on 127.0.0.1 and keep them running.
+# ---- the pair's flags, shared by serve-pair and bench --launch ------------------------------
 
-    Stops everything on Ctrl-C, on SIGTERM or when one process dies (exit 130 for a signal, 1 for a death).
-    """
+ModelFlag = Annotated[
+    Path | None,
+    typer.Option(help="Hugging Face model directory \\[default: a generated random-weight Llama, see --model-size]"),
+]
+ModelSizeFlag = Annotated[str, typer.Option(help="preset generated when --model is not given: tiny or bench")]
+ProducerPortFlag = Annotated[int, typer.Option(help="producer vLLM server port on 127.0.0.1")]
+ConsumerPortFlag = Annotated[int, typer.Option(help="consumer vLLM server port on 127.0.0.1")]
+MasterPortFlag = Annotated[int, typer.Option(help="RPC port of the mooncake_master kvtool starts")]
+AdminPortFlag = Annotated[int, typer.Option(help="the master's metrics/admin HTTP port")]
+MasterFlag = Annotated[
+    str | None, typer.Option(help="HOST:PORT of a running mooncake_master to use instead of starting one")
+]
+StorePortFlag = Annotated[int, typer.Option(help="service port of the standalone store (--store standalone)")]
+BlockSizeFlag = Annotated[int, typer.Option(help="vLLM KV block size in tokens (a multiple of 32 on the CPU)")]
+HashUnitFlag = Annotated[int, typer.Option(help="tail boundary grid in tokens for the kvtool connector (1 = exact)")]
+StoreFlag = Annotated[
+    str,
+    typer.Option(
+        help="embedded: each engine lends 256 MiB of segment memory to the store (stored KV dies with its "
+        "engine); standalone: a separate mooncake_client process holds 1 GiB and the engines lend none, "
+        "so stored KV outlives a producer restart"
+    ),
+]
+ConnectorFlag = Annotated[
+    str,
+    typer.Option(
+        help="kvtool (partial-tail connector), vllm-mooncake-store (vLLM's in-tree, whole blocks only) or none"
+    ),
+]
+LogDirFlag = Annotated[
+    Path | None,
+    typer.Option(help="where the processes' logs go \\[default: ./logs/serve-pair-<timestamp>]"),
+]
+KvCacheFlag = Annotated[float, typer.Option(help="KV cache per engine, GiB (VLLM_CPU_KVCACHE_SPACE)")]
+MemoryUtilizationFlag = Annotated[
+    float,
+    typer.Option(help="--gpu-memory-utilization per engine; small because two engines start together"),
+]
+DtypeFlag = Annotated[str, typer.Option(help="vLLM --dtype (float32 keeps logprob comparisons exact)")]
+EnforceEagerFlag = Annotated[bool, typer.Option(help="pass --enforce-eager to vLLM (no compilation)")]
+StartupTimeoutFlag = Annotated[float, typer.Option(help="seconds to wait for both servers to be healthy")]
+
+CONNECTOR_CHOICES = ("kvtool", "vllm-mooncake-store", "none")
+
+
+def build_pair_config(
+    *,
+    model: Path | None,
+    model_size: str,
+    producer_port: int,
+    consumer_port: int,
+    master_port: int,
+    admin_port: int,
+    master: str | None,
+    store_port: int,
+    block_size: int,
+    hash_unit: int,
+    store: str,
+    connector: str,
+    log_dir: Path | None,
+    ready_file: Path | None,
+    kv_cache_gib: float,
+    memory_utilization: float,
+    dtype: str,
+    enforce_eager: bool,
+    startup_timeout: float,
+):
+    """The ServePairConfig the pair flags describe; a UserError naming the flag for a bad value."""
     from pydantic import ValidationError
 
     from kvtool.model import ensure_default_model
-    from kvtool.serve_pair import ServePairConfig, default_log_dir, run_pair
-    from kvtool.smoke import run_smoke
+    from kvtool.serve_pair import ServePairConfig, default_log_dir
 
     choices = {
         "store": (store, ("embedded", "standalone")),
-        "connector": (connector, ("kvtool", "vllm-mooncake-store", "none")),
+        "connector": (connector, CONNECTOR_CHOICES),
     }
     for flag, (value, allowed) in choices.items():
         if value not in allowed:
@@ -148,7 +157,7 @@ def serve_pair_command(
         model = ensure_default_model(preset=model_size)
     chosen_log_dir = (log_dir or default_log_dir()).resolve()
     try:
-        cfg = ServePairConfig(
+        return ServePairConfig(
             model=model.expanduser().resolve(),
             producer_port=producer_port,
             consumer_port=consumer_port,
@@ -172,6 +181,65 @@ def serve_pair_command(
         first = exc.errors()[0]
         flag = "--" + str(first["loc"][0]).replace("_", "-")
         raise UserError(f"{flag}: {first['msg']}") from None
+
+
+@app.command("serve-pair")
+@user_errors_exit
+def serve_pair_command(
+    model: ModelFlag = None,
+    model_size: ModelSizeFlag = "tiny",
+    producer_port: ProducerPortFlag = 8100,
+    consumer_port: ConsumerPortFlag = 8200,
+    master_port: MasterPortFlag = 50051,
+    admin_port: AdminPortFlag = 9003,
+    master: MasterFlag = None,
+    store_port: StorePortFlag = 50052,
+    block_size: BlockSizeFlag = 32,
+    hash_unit: HashUnitFlag = 1,
+    store: StoreFlag = "embedded",
+    connector: ConnectorFlag = "kvtool",
+    log_dir: LogDirFlag = None,
+    ready_file: Annotated[
+        Path | None,
+        typer.Option(help="once all are healthy, write their addresses here as JSON; removed on exit"),
+    ] = None,
+    smoke: Annotated[
+        bool, typer.Option("--smoke", help="run one producer-then-consumer check, print it, stop")
+    ] = False,
+    kv_cache_gib: KvCacheFlag = 1.0,
+    memory_utilization: MemoryUtilizationFlag = 0.3,
+    dtype: DtypeFlag = "float32",
+    enforce_eager: EnforceEagerFlag = False,
+    startup_timeout: StartupTimeoutFlag = 300.0,
+) -> None:
+    """Start a Mooncake master, a producer and a consumer vLLM server on 127.0.0.1 and keep them running.
+
+    Stops everything on Ctrl-C, on SIGTERM or when one process dies (exit 130 for a signal, 1 for a death).
+    """
+    from kvtool.serve_pair import run_pair
+    from kvtool.smoke import run_smoke
+
+    cfg = build_pair_config(
+        model=model,
+        model_size=model_size,
+        producer_port=producer_port,
+        consumer_port=consumer_port,
+        master_port=master_port,
+        admin_port=admin_port,
+        master=master,
+        store_port=store_port,
+        block_size=block_size,
+        hash_unit=hash_unit,
+        store=store,
+        connector=connector,
+        log_dir=log_dir,
+        ready_file=ready_file,
+        kv_cache_gib=kv_cache_gib,
+        memory_utilization=memory_utilization,
+        dtype=dtype,
+        enforce_eager=enforce_eager,
+        startup_timeout=startup_timeout,
+    )
 
     def on_ready(info: dict[str, Any]) -> None:
         table = Table(title="kvtool serve-pair")
@@ -200,6 +268,127 @@ def serve_pair_command(
     code = run_pair(cfg, say, on_ready, smoke=(lambda info: run_smoke(info, out)) if smoke else None)
     if code:
         raise typer.Exit(code)
+
+
+@app.command("bench")
+@user_errors_exit
+def bench_command(
+    pair: Annotated[
+        Path | None, typer.Option("--pair", help="ready file of a running kvtool serve-pair (its --ready-file)")
+    ] = None,
+    launch: Annotated[
+        bool, typer.Option("--launch", help="start a pair with the pair flags below, run, and stop it")
+    ] = False,
+    workload: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--workload",
+            "-w",
+            help="sub-block, cross-block, shared-prefix, multi-turn, max-tokens-1, prefix-repetition or "
+            "trace:PATH; repeat for several \\[default: sub-block]",
+        ),
+    ] = None,
+    requests: Annotated[int, typer.Option(help="consumer requests per workload")] = 8,
+    max_tokens: Annotated[int, typer.Option(help="tokens each consumer request generates")] = 8,
+    seed: Annotated[int, typer.Option(help="seed of every workload")] = 0,
+    verify: Annotated[
+        bool, typer.Option(help="compare every consumer answer with a recomputation (tokens and top-5 logprobs)")
+    ] = True,
+    tolerance: Annotated[float, typer.Option(help="largest |logprob difference| a matching answer may have")] = 1e-3,
+    compare: Annotated[
+        str | None,
+        typer.Option(help="run the same workload on each of these connectors (comma-separated; needs --launch)"),
+    ] = None,
+    json_path: Annotated[
+        Path | None, typer.Option("--json", help="write the results and configuration as JSON")
+    ] = None,
+    plot: Annotated[Path | None, typer.Option("--plot", help="write a PNG: hits vs ideal, TTFT by connector")] = None,
+    trace_block_tokens: Annotated[int, typer.Option(help="tokens one 512-token trace block becomes")] = 16,
+    trace_start: Annotated[int, typer.Option(help="first trace line to replay (0-based)")] = 0,
+    trace_requests: Annotated[int | None, typer.Option(help="trace requests to replay \\[default: --requests]")] = None,
+    prefix_len: Annotated[int, typer.Option(help="prefix-repetition: tokens of each shared prefix")] = 80,
+    suffix_len: Annotated[int, typer.Option(help="prefix-repetition: tokens after the prefix")] = 24,
+    num_prefixes: Annotated[int, typer.Option(help="prefix-repetition: distinct prefixes")] = 2,
+    model: ModelFlag = None,
+    model_size: ModelSizeFlag = "tiny",
+    producer_port: ProducerPortFlag = 8100,
+    consumer_port: ConsumerPortFlag = 8200,
+    master_port: MasterPortFlag = 50051,
+    admin_port: AdminPortFlag = 9003,
+    store_port: StorePortFlag = 50052,
+    block_size: BlockSizeFlag = 32,
+    hash_unit: HashUnitFlag = 1,
+    store: StoreFlag = "embedded",
+    connector: ConnectorFlag = "kvtool",
+    log_dir: LogDirFlag = None,
+    kv_cache_gib: KvCacheFlag = 1.0,
+    memory_utilization: MemoryUtilizationFlag = 0.3,
+    dtype: DtypeFlag = "float32",
+    enforce_eager: EnforceEagerFlag = False,
+    startup_timeout: StartupTimeoutFlag = 300.0,
+) -> None:
+    """Replay seeded workloads on a producer/consumer pair and report reuse against an ideal oracle.
+
+    Reports per workload and prompt-length bucket: prompt, ideal and hit tokens (block and tail), hit
+    rate, efficiency (hit / ideal), consumer TTFT, and answers that differ from a recomputation.
+    """
+    from pydantic import ValidationError
+
+    from kvtool.bench.command import parse_compare, run_bench
+    from kvtool.bench.config import BenchConfig, PrefixRepetitionOptions, TraceOptions
+
+    compared = parse_compare(compare)
+    try:
+        config = BenchConfig(
+            workloads=tuple(workload or ("sub-block",)),
+            requests=requests,
+            max_tokens=max_tokens,
+            seed=seed,
+            verify=verify,
+            tolerance=tolerance,
+            trace=TraceOptions(block_tokens=trace_block_tokens, start=trace_start, requests=trace_requests),
+            prefix_repetition=PrefixRepetitionOptions(
+                prefix_len=prefix_len, suffix_len=suffix_len, num_prefixes=num_prefixes
+            ),
+        )
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = first["loc"][-1] if first["loc"][0] not in ("trace", "prefix_repetition") else first["loc"][-1]
+        prefix = "trace-" if first["loc"][0] == "trace" else ""
+        raise UserError(f"--{prefix}{str(field).replace('_', '-')}: {first['msg']}") from None
+    launch_cfg = None
+    if launch:
+        launch_cfg = build_pair_config(
+            model=model,
+            model_size=model_size,
+            producer_port=producer_port,
+            consumer_port=consumer_port,
+            master_port=master_port,
+            admin_port=admin_port,
+            master=None,
+            store_port=store_port,
+            block_size=block_size,
+            hash_unit=hash_unit,
+            store=store,
+            connector=connector,
+            log_dir=log_dir,
+            ready_file=None,
+            kv_cache_gib=kv_cache_gib,
+            memory_utilization=memory_utilization,
+            dtype=dtype,
+            enforce_eager=enforce_eager,
+            startup_timeout=startup_timeout,
+        )
+    run_bench(config, out, say, pair, launch_cfg, compared, json_path, plot)
+
+
+def _register_inspect() -> None:
+    from kvtool.inspect.cli import inspect_app
+
+    app.add_typer(inspect_app, name="inspect")
+
+
+_register_inspect()
 
 
 def main() -> None:

@@ -14,7 +14,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
@@ -467,6 +467,37 @@ def admin_url_for(cfg: ServePairConfig) -> str | None:
     return None
 
 
+@contextmanager
+def launched_pair(
+    cfg: ServePairConfig,
+    say: Reporter,
+    signal_guard: Callable[[], AbstractContextManager[None]] = nullcontext,
+) -> Iterator[tuple[dict[str, Any], ProcessSet]]:
+    """Start the pair, yield its ready info (written to cfg.ready_file too) and stop everything on exit.
+
+    ``signal_guard`` wraps start-up and the caller's body, e.g. signals_raise_interrupted.
+    """
+    preflight(cfg)
+    cfg.log_dir.mkdir(parents=True, exist_ok=True)
+    procs = ProcessSet(cfg.log_dir)
+    try:
+        with signal_guard():
+            started = start_pair(cfg, procs, say)
+            info = ready_info(cfg, {name: p.pid for name, p in started.items()}, admin_url_for(cfg))
+            if cfg.ready_file is not None:
+                write_json_atomically(cfg.ready_file, info)
+            yield info, procs
+    except Interrupted as exc:
+        say(f"{exc.signal_name} received; stopping")
+        raise
+    finally:
+        if cfg.ready_file is not None:
+            cfg.ready_file.unlink(missing_ok=True)
+        if procs.processes:
+            say("stopping " + ", ".join(p.name for p in reversed(procs.processes)))
+        procs.stop_all()
+
+
 def run_pair(
     cfg: ServePairConfig,
     say: Reporter,
@@ -474,15 +505,8 @@ def run_pair(
     smoke: Callable[[dict[str, Any]], None] | None = None,
 ) -> int:
     """Run until interrupted, until a process dies, or (with smoke) until the smoke check ends."""
-    preflight(cfg)
-    cfg.log_dir.mkdir(parents=True, exist_ok=True)
-    procs = ProcessSet(cfg.log_dir)
     try:
-        with signals_raise_interrupted():
-            started = start_pair(cfg, procs, say)
-            info = ready_info(cfg, {name: p.pid for name, p in started.items()}, admin_url_for(cfg))
-            if cfg.ready_file is not None:
-                write_json_atomically(cfg.ready_file, info)
+        with launched_pair(cfg, say, signals_raise_interrupted) as (info, procs):
             on_ready(info)
             if smoke is not None:
                 try:
@@ -498,13 +522,7 @@ def run_pair(
                 if dead is not None:
                     raise dead.died_error("while serving; stopping the others")
                 time.sleep(0.5)
-    except Interrupted as exc:
-        say(f"{exc.signal_name} received; stopping")
+    except Interrupted:
         return EXIT_INTERRUPTED
     finally:
-        if cfg.ready_file is not None:
-            cfg.ready_file.unlink(missing_ok=True)
-        if procs.processes:
-            say("stopping " + ", ".join(p.name for p in reversed(procs.processes)))
-        procs.stop_all()
         _restore_default_signals()

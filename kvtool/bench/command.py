@@ -1,0 +1,157 @@
+"""What `kvtool bench` does once its flags are parsed: plan the workloads, run them on each
+connector's pair (a running one, or one launched per connector), report."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from kvtool.errors import UserError
+from kvtool.serve_pair import Reporter, ServePairConfig, launched_pair, write_json_atomically
+from kvtool.smoke import model_vocab_size
+
+from .config import CONNECTORS, BenchConfig, build_workload
+from .oracle import ideal_hits
+from .report import bench_document, connector_report, print_comparison, print_connector_report
+from .runner import PairInfo, PairRunner, WorkloadRun, check_reachable, load_pair_info, pair_info
+from .workloads.base import Step, WorkloadShape
+
+
+@dataclass(frozen=True)
+class PlannedWorkload:
+    name: str
+    steps: list[Step]
+    ideal: dict[int, int]  # ideal reused tokens per consumer step
+
+
+def plan_workloads(config: BenchConfig, block_size: int, hash_unit: int, vocab_size: int, max_model_len: int):
+    """Every workload's steps and ideal hits; bad workload input fails here, before any pair starts."""
+    shape = WorkloadShape(
+        block_size=block_size,
+        vocab_size=vocab_size,
+        requests=config.requests,
+        max_tokens=config.max_tokens,
+        max_prompt_tokens=max_model_len - config.max_tokens - 1,
+        seed=config.seed,
+    )
+    planned = []
+    for spec in config.workloads:
+        workload = build_workload(spec, config)
+        steps = workload.steps(shape)
+        too_long = max((len(step.prompt) for step in steps), default=0)
+        if too_long > shape.max_prompt_tokens:
+            raise UserError(
+                f"workload {spec} makes a {too_long}-token prompt, more than the {shape.max_prompt_tokens} "
+                "the engine takes with this --max-tokens; use shorter prompts"
+            )
+        planned.append(PlannedWorkload(workload.label(), steps, ideal_hits(steps, block_size, hash_unit)))
+    return planned
+
+
+def parse_compare(value: str | None) -> list[str]:
+    if value is None:
+        return []
+    names = [name.strip() for name in value.split(",") if name.strip()]
+    unknown = [name for name in names if name not in CONNECTORS]
+    if unknown or not names:
+        raise UserError(f"--compare {value!r}: use a comma-separated list of {', '.join(CONNECTORS)}")
+    if len(set(names)) != len(names):
+        raise UserError(f"--compare {value!r} names a connector twice")
+    return names
+
+
+def run_workloads(
+    pair: PairInfo, config: BenchConfig, planned: list[PlannedWorkload], console: Console
+) -> list[WorkloadRun]:
+    runner = PairRunner(pair, config)
+    runner.warm_up()
+    runs = []
+    total = sum(len(p.steps) for p in planned)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=False) as progress:
+        task = progress.add_task(f"{pair.connector}", total=total)
+        for workload in planned:
+            progress.update(task, description=f"{pair.connector}: {workload.name}")
+            runs.append(runner.run(workload.name, workload.steps, workload.ideal, lambda _: progress.advance(task)))
+    return runs
+
+
+def launch_config(cfg: ServePairConfig, connector: str) -> ServePairConfig:
+    return cfg.model_copy(update={"connector": connector, "log_dir": cfg.log_dir / connector, "ready_file": None})
+
+
+def run_bench(
+    config: BenchConfig,
+    console: Console,
+    say: Reporter,
+    pair_file: Path | None,
+    launch: ServePairConfig | None,
+    compare: list[str],
+    json_path: Path | None,
+    plot_path: Path | None,
+) -> dict[str, Any]:
+    failures: dict[str, str] = {}  # connector -> why its run failed (with --compare)
+    if (pair_file is None) == (launch is None):
+        raise UserError("give either --pair READY_FILE (written by kvtool serve-pair) or --launch")
+    if pair_file is not None:
+        if compare:
+            raise UserError("--compare starts one pair per connector; use it with --launch, not --pair")
+        pair = load_pair_info(pair_file)
+        check_reachable(pair)
+        planned = plan_workloads(
+            config, pair.block_size, pair.hash_unit, model_vocab_size(Path(pair.model)), pair.max_model_len
+        )
+        reports = {pair.connector: connector_report(run_workloads(pair, config, planned, console), pair.block_size)}
+        pair_config: dict[str, Any] = {"ready_file": str(pair_file), **pair.model_dump()}
+    else:
+        assert launch is not None
+        connectors = compare or [launch.connector]
+        planned = plan_workloads(
+            config, launch.block_size, launch.hash_unit, model_vocab_size(launch.model), launch.max_model_len
+        )
+        reports = {}
+        # One pair at a time: each is stopped before the next starts (they share ports and cores).
+        for connector in connectors:
+            one = launch_config(launch, connector)
+            say(f"launching a {connector} pair (logs in {one.log_dir})")
+            try:
+                with launched_pair(one, say) as (info, _procs):
+                    pair = pair_info({**info, "max_model_len": launch.max_model_len}, "the launched pair")
+                    runs = run_workloads(pair, config, planned, console)
+                    reports[connector] = connector_report(runs, launch.block_size)
+            except UserError as exc:
+                if len(connectors) == 1:
+                    raise
+                # One connector failing must not throw away the others' results.
+                failures[connector] = exc.message
+                say(f"{connector} failed: {exc.message}")
+        pair_config = launch.model_dump(mode="json")
+
+    if compare and reports:
+        print_comparison(console, reports)
+    elif not compare:
+        ((connector, report),) = reports.items()
+        print_connector_report(console, connector, report)
+    document = bench_document(
+        {**config.model_dump(mode="json"), "command": sys.argv}, pair_config, reports, compare=bool(compare)
+    )
+    if failures:
+        document["failures"] = failures
+    if json_path is not None:
+        write_json_atomically(json_path, document)
+        say(f"wrote {json_path}")
+    if plot_path is not None:
+        from .plot import write_plot
+
+        write_plot(plot_path, reports)
+        say(f"wrote {plot_path}")
+    if failures:
+        raise UserError(
+            "; ".join(f"{connector} failed: {message}" for connector, message in failures.items()), exit_code=1
+        )
+    return document

@@ -1,0 +1,24 @@
+"""The workloads `kvtool bench` runs, by name; ``trace:PATH`` replays a trace file."""
+
+from __future__ import annotations
+
+
+from .base import Step, Target, Workload, WorkloadShape
+from .cross_block import CrossBlock
+from .max_tokens_1 import MaxTokensOne
+from .multi_turn import MultiTurn
+from .prefix_repetition import PrefixRepetition
+from .shared_prefix import SharedPrefix
+from .sub_block import SubBlock
+from .trace import TraceReplay
+
+__all__ = ["Step", "Target", "Workload", "WorkloadShape", "WORKLOADS", "TRACE_PREFIX", "TraceReplay", "workload_names"]
+
+WORKLOADS: dict[str, type[Workload]] = {
+    cls.name: cls for cls in (SubBlock, CrossBlock, SharedPrefix, MultiTurn, MaxTokensOne, PrefixRepetition)
+}
+TRACE_PREFIX = "trace:"
+
+
+def workload_names() -> list[str]:
+    return [*WORKLOADS, f"{TRACE_PREFIX}PATH"]

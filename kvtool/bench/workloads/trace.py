@@ -1,0 +1,109 @@
+"""Replay of a Mooncake FAST'25 trace (shared/traces/README.md): one JSON object a line with
+``input_length``, ``output_length`` and ``hash_ids`` (one id per 512-token block).
+
+Token content is made from the ids: block id ``h`` always becomes the same ``block_tokens``
+tokens, so equal ids at equal positions give equal prefixes. Lengths scale with the block
+(``block_tokens / 512``), which keeps the reuse structure; a prompt longer than the engine takes is
+cut to its first ``max_prompt_tokens`` tokens. Each request is served by the consumer from what the
+requests before it published, then published by the producer for the requests after it.
+
+Not modelled: a later request's full block extending an earlier request's partial tail (the format
+cannot say when that happens; the ids of partial blocks never recur), so tails are reused only when
+a prompt repeats one exactly.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvtool.errors import UserError
+
+from .base import Step, StepList, Workload, WorkloadShape, random_tokens, workload_rng
+
+TRACE_BLOCK_TOKENS = 512
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+
+def parse_trace_line(line: str, where: str) -> TraceRequest:
+    try:
+        record = json.loads(line)
+        request = TraceRequest(int(record["input_length"]), int(record["output_length"]), tuple(record["hash_ids"]))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"{where} is not a Mooncake trace record ({exc}); see shared/traces/README.md") from None
+    expected_ids = -(-request.input_length // TRACE_BLOCK_TOKENS)
+    if request.input_length <= 0 or len(request.hash_ids) != expected_ids:
+        raise UserError(
+            f"{where}: input_length {request.input_length} needs {expected_ids} hash_ids, "
+            f"it has {len(request.hash_ids)}"
+        )
+    return request
+
+
+def read_trace(path: Path, start: int, count: int) -> list[TraceRequest]:
+    """Requests ``start`` .. ``start + count - 1`` (0-based lines) of the trace at ``path``."""
+    requests: list[TraceRequest] = []
+    try:
+        with open(path, encoding="utf-8") as trace:
+            for number, line in enumerate(trace):
+                if number < start or not line.strip():
+                    continue
+                requests.append(parse_trace_line(line, f"{path} line {number + 1}"))
+                if len(requests) == count:
+                    break
+    except OSError as exc:
+        raise UserError(f"cannot read the trace {path}: {exc.strerror or exc}") from None
+    if not requests:
+        raise UserError(f"the trace {path} has no requests from line {start + 1}; lower --trace-start")
+    return requests
+
+
+def scaled_prompt(request: TraceRequest, block_tokens: int, block_content: dict[int, tuple[int, ...]]) -> list[int]:
+    """The request's prompt with each 512-token trace block scaled to ``block_tokens`` tokens."""
+    prompt: list[int] = []
+    remainder = request.input_length % TRACE_BLOCK_TOKENS
+    for position, block_id in enumerate(request.hash_ids):
+        content = block_content[block_id]
+        is_partial_last = remainder and position == len(request.hash_ids) - 1
+        if is_partial_last:
+            kept = min(block_tokens - 1, max(1, round(remainder * block_tokens / TRACE_BLOCK_TOKENS)))
+            content = content[:kept]
+        prompt.extend(content)
+    return prompt
+
+
+@dataclass
+class TraceReplay(Workload):
+    name = "trace"
+    description = "replay of a Mooncake FAST'25 trace (trace:PATH)"
+    path: Path = field(default_factory=Path)
+    block_tokens: int = 16  # tokens one 512-token trace block becomes
+    start: int = 0  # first trace line (0-based)
+    count: int | None = None  # requests to replay; None: the shape's request count
+
+    def label(self) -> str:
+        return f"trace:{self.path.name}"
+
+    def steps(self, shape: WorkloadShape) -> list[Step]:
+        requests = read_trace(self.path, self.start, self.count or shape.requests)
+        rng = workload_rng(self.name, shape.seed)
+        block_content: dict[int, tuple[int, ...]] = {}
+        for request in requests:
+            for block_id in request.hash_ids:
+                if block_id not in block_content:
+                    block_content[block_id] = random_tokens(rng, self.block_tokens, shape.vocab_size)
+        steps = StepList()
+        published: list[int] = []
+        for request in requests:
+            prompt = tuple(scaled_prompt(request, self.block_tokens, block_content)[: shape.max_prompt_tokens])
+            generate = max(1, min(request.output_length, shape.max_tokens))
+            steps.consumer(prompt, generate, tuple(published), "trace request")
+            published.append(steps.producer(prompt))
+        return steps.steps

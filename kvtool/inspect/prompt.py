@@ -1,0 +1,415 @@
+"""`kvtool inspect prompt`: a prompt's keys, boundary by boundary, the hit a consumer would get now,
+and why every missing boundary is missing.
+
+The hashing is the connector's own (``PromptKeys``); the hit is the connector's own rule
+(``find_stored_prefix`` then ``plan_load`` with no local prefix-cache hit), so the prediction equals
+what a consumer reports as ``local_hit_tokens + external_hit_tokens``. Everything above
+``prompt_report`` is pure: it works on a snapshot of the store (``StoreSnapshot``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from connector.hashing import RequestIdentity, save_tail_boundary
+from connector.keys import KeyKind, decode_key
+from connector.objects import ObjectHeader, ObjectRejected, decode_header, verify_object
+from connector.prefix import PromptKeys, find_stored_prefix, plan_load
+from connector.watermarks import WatermarkRecord
+
+from kvtool import admin
+from kvtool.errors import UserError
+from kvtool.inspect.output import Report
+from kvtool.inspect.target import Target, open_reader
+
+NEVER_STORED = "never stored"
+EVICTED = "evicted or expired"
+OTHER_NAMESPACE = "stored under another namespace"
+FAILED_CHECK = "object failed its check"
+
+# Objects read per get: the bytes API fails above the client's local buffer.
+READ_BATCH = 8
+
+
+# ---- the store, as a snapshot ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """What one watermark record says is durable for this prompt."""
+
+    request_id: str
+    durable_offset: int
+    tail_boundary: int | None
+    tail_durable: bool
+
+    def covers(self, kind: KeyKind, end_token: int) -> bool:
+        if kind is KeyKind.BLOCK:
+            return end_token <= self.durable_offset
+        return self.tail_durable and self.tail_boundary == end_token
+
+
+def record_coverage(record: WatermarkRecord, keys: PromptKeys) -> Coverage | None:
+    """What a watermark record says about this prompt, matched by the keys it names; None if unrelated.
+
+    A record whose prompt's last full block is one of this prompt's blocks shares every block up to
+    it; a record whose tail key is this prompt's tail key at that boundary shares the tail as well.
+    """
+    block_size = keys.block_size
+    shared_end = 0
+    for index in range(keys.num_full_blocks):
+        if record.last_block_key == keys.block_key(index):
+            shared_end = (index + 1) * block_size
+    boundary = record.tail_boundary
+    tail_shared = (
+        record.tail_key is not None
+        and boundary is not None
+        and boundary <= len(keys.tokens)
+        and boundary % block_size != 0
+        and record.tail_key == keys.tail_key(boundary)
+    )
+    if tail_shared:
+        shared_end = max(shared_end, boundary // block_size * block_size)
+    if not shared_end and not tail_shared:
+        return None
+    return Coverage(
+        record.request_id,
+        min(record.durable_offset, boundary if tail_shared and record.tail_durable else shared_end),
+        boundary if tail_shared else None,
+        tail_shared and record.tail_durable,
+    )
+
+
+@dataclass
+class StoreSnapshot:
+    """Keys present, where chain hashes live under other namespaces, watermarks, object checks."""
+
+    keys: frozenset[str]
+    coverage: list[Coverage] = field(default_factory=list)
+    # key -> cause of the failed check; keys not listed passed it (or were not read)
+    check_failures: dict[str, str] = field(default_factory=dict)
+    _by_hash: dict[tuple[str, int, str], list[str]] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for key in self.keys:
+            decoded = decode_key(key)
+            if decoded is not None and decoded.kind in (KeyKind.BLOCK, KeyKind.TAIL):
+                ident = (decoded.kind.value, decoded.end_token, decoded.chain_hash)
+                self._by_hash.setdefault(ident, []).append(decoded.namespace)
+
+    def namespaces_holding(self, kind: KeyKind, end_token: int, chain_hash: bytes) -> list[str]:
+        return sorted(self._by_hash.get((kind.value, end_token, chain_hash.hex()), []))
+
+
+# ---- pure logic -----------------------------------------------------------------------------
+
+
+def miss_reason(
+    present: bool,
+    kind: KeyKind,
+    end_token: int,
+    other_namespaces: Sequence[str],
+    coverage: Sequence[Coverage],
+    check_failure: str | None,
+) -> str | None:
+    """Why a boundary is not loadable, or None when it is.
+
+    A present object that fails its check is a miss (the consumer recomputes). An absent one is
+    under another namespace when the same chain hash is stored there (same tokens, incompatible KV);
+    evicted or expired when a watermark of this prompt says it was durable; else never stored.
+    """
+    if present:
+        return f"{FAILED_CHECK}: {check_failure}" if check_failure else None
+    if other_namespaces:
+        return f"{OTHER_NAMESPACE} ({', '.join(other_namespaces)})"
+    covering = [c.request_id for c in coverage if c.covers(kind, end_token)]
+    if covering:
+        return f"{EVICTED} (watermark of request {covering[0]} says it was durable)"
+    return NEVER_STORED
+
+
+def check_object(data: bytes | None, namespace: str, expected: ObjectHeader) -> str | None:
+    """Why a stored object would be rejected by a reader of ``namespace``, or None.
+
+    Only the key's 16-hex namespace is known here, not the full fingerprint, dtype, layer count or
+    payload size a reader's layout fixes, so those are taken from the header itself once its
+    fingerprint's prefix matches; the rest (kind, chain hash, token range, length, checksum) is
+    checked by the connector's own ``verify_object``.
+    """
+    if data is None:
+        return "unreadable: the master lists it but its bytes could not be read (its segment's owner may have left)"
+    try:
+        header = decode_header(data)
+        if header.namespace_fingerprint.hex()[: len(namespace)] != namespace:
+            return "namespace: the header's namespace fingerprint is not the key's"
+        verify_object(
+            data,
+            ObjectHeader(
+                namespace_fingerprint=header.namespace_fingerprint,
+                chain_hash=expected.chain_hash,
+                kind=expected.kind,
+                dtype=header.dtype,
+                num_layers=header.num_layers,
+                token_start=expected.token_start,
+                token_end=expected.token_end,
+                payload_len=header.payload_len,
+            ),
+        )
+    except ObjectRejected as exc:
+        return str(exc)
+    return None
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """One boundary of the prompt: a full block's end or a tail's end."""
+
+    end_token: int
+    kind: str
+    key: str
+    stored: bool
+    in_hit: bool
+    miss_reason: str | None
+
+
+@dataclass(frozen=True)
+class PromptInspection:
+    namespace: str
+    prompt_tokens: int
+    block_size: int
+    hash_unit: int
+    save_tail_boundary: int | None  # where a producer of exactly this prompt publishes its tail
+    stored_prefix_tokens: int  # longest stored prefix by existence, before the one-token cap
+    hit_tokens: int  # what a consumer reports now (local + external), by existence: the connector's lookup
+    block_hit_tokens: int
+    tail_hit_tokens: int
+    loadable_hit_tokens: int  # the same, with objects that fail their check treated as missing
+    boundaries: list[Boundary]
+    hidden_never_stored: int  # tail boundaries not shown: absent everywhere, no watermark, not the save boundary
+
+
+def expected_header(keys: PromptKeys, kind: KeyKind, end_token: int) -> ObjectHeader:
+    """The fields a reader derives from the key alone (the rest comes from its layout)."""
+    start = ((end_token - 1) // keys.block_size) * keys.block_size
+    chain = keys.block_chain[end_token // keys.block_size - 1] if kind is KeyKind.BLOCK else keys.tail_hash(end_token)
+    return ObjectHeader(b"", chain, kind, "", 0, start, end_token, 0)
+
+
+def candidate_boundaries(keys: PromptKeys) -> list[tuple[KeyKind, int, str]]:
+    """Every key a lookup of this prompt could ask for, in token order: (kind, end token, key)."""
+    found = [(KeyKind.BLOCK, (i + 1) * keys.block_size, keys.block_key(i)) for i in range(keys.num_full_blocks)]
+    for block_index in range(len(keys.tokens) // keys.block_size + 1):
+        found += [(KeyKind.TAIL, b, keys.tail_key(b)) for b in keys.tail_candidates(block_index)]
+    return sorted(found, key=lambda item: (item[1], item[0] is KeyKind.TAIL))
+
+
+def inspect_prompt(keys: PromptKeys, snapshot: StoreSnapshot, show_all: bool = False) -> PromptInspection:
+    def exists(asked: list[str]) -> list[bool]:
+        return [key in snapshot.keys for key in asked]
+
+    def loadable(asked: list[str]) -> list[bool]:
+        return [key in snapshot.keys and key not in snapshot.check_failures for key in asked]
+
+    stored = find_stored_prefix(keys, exists)
+    plan = plan_load(keys, stored, local_tokens=0)
+    loadable_plan = plan_load(keys, find_stored_prefix(keys, loadable), local_tokens=0)
+    hit_keys = {obj.key for obj in plan.objects}
+    save_boundary = save_tail_boundary(len(keys.tokens), keys.block_size, keys.hash_unit)
+
+    rows: list[Boundary] = []
+    hidden = 0
+    for kind, end_token, key in candidate_boundaries(keys):
+        present = key in snapshot.keys
+        chain = expected_header(keys, kind, end_token).chain_hash
+        others = [ns for ns in snapshot.namespaces_holding(kind, end_token, chain) if ns != keys.namespace]
+        reason = miss_reason(present, kind, end_token, others, snapshot.coverage, snapshot.check_failures.get(key))
+        interesting = kind is KeyKind.BLOCK or present or end_token == save_boundary or reason != NEVER_STORED
+        if not (interesting or show_all):
+            hidden += 1
+            continue
+        rows.append(Boundary(end_token, kind.name.lower(), key, present, key in hit_keys, reason))
+    return PromptInspection(
+        namespace=keys.namespace,
+        prompt_tokens=len(keys.tokens),
+        block_size=keys.block_size,
+        hash_unit=keys.hash_unit,
+        save_tail_boundary=save_boundary,
+        stored_prefix_tokens=stored.tokens,
+        hit_tokens=plan.external_tokens,
+        block_hit_tokens=plan.block_tokens,
+        tail_hit_tokens=plan.tail_tokens,
+        loadable_hit_tokens=loadable_plan.external_tokens,
+        boundaries=rows,
+        hidden_never_stored=hidden,
+    )
+
+
+def choose_namespace(given: str | None, available: Sequence[str]) -> str:
+    if given is not None:
+        return given
+    if len(available) == 1:
+        return available[0]
+    if not available:
+        raise UserError("the store holds no kvtool block or tail keys, so no namespace to hash under: give --namespace")
+    raise UserError(f"the store holds several kvtool namespaces ({', '.join(available)}): choose one with --namespace")
+
+
+# ---- prompt input ---------------------------------------------------------------------------
+
+
+def parse_token_ids(text: str) -> list[int] | None:
+    """Token ids written as a JSON list or separated by commas/whitespace; None if ``text`` is not that."""
+    stripped = text.strip()
+    if stripped.startswith("["):
+        try:
+            values = json.loads(stripped)
+        except json.JSONDecodeError:
+            return None
+        return values if isinstance(values, list) and all(isinstance(v, int) and v >= 0 for v in values) else None
+    parts = stripped.replace(",", " ").split()
+    if not parts or not all(p.isdigit() for p in parts):
+        return None
+    return [int(p) for p in parts]
+
+
+def prompt_tokens(tokens: str | None, text: str | None, file: Path | None, model: str | None) -> list[int]:
+    """The prompt from exactly one of --tokens, --text or --file (token ids, or else text)."""
+    given = [name for name, value in (("--tokens", tokens), ("--text", text), ("--file", file)) if value is not None]
+    if len(given) != 1:
+        raise UserError("give the prompt as exactly one of --tokens 1,2,3, --text STR or --file F")
+    if tokens is not None:
+        ids = parse_token_ids(tokens)
+        if not ids:
+            raise UserError(f"--tokens {tokens!r} is not a comma-separated list of token ids")
+        return ids
+    if file is not None:
+        try:
+            content = Path(file).read_text()
+        except OSError as exc:
+            raise UserError(f"cannot read --file {file}: {exc}") from None
+        ids = parse_token_ids(content)
+        if ids:
+            return ids
+        text = content
+    return tokenize(text or "", model)
+
+
+def tokenize(text: str, model: str | None) -> list[int]:
+    """Token ids as vLLM's /v1/completions makes them from a text prompt (special tokens added)."""
+    if not model:
+        raise UserError("--text needs the served model's tokenizer: give --model DIR or --pair READY_FILE")
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
+    except Exception as exc:  # transformers raises assorted errors for a missing or bad tokenizer
+        raise UserError(f"cannot load the tokenizer of {model}: {exc}") from None
+    return list(tokenizer(text)["input_ids"])
+
+
+# ---- I/O ------------------------------------------------------------------------------------
+
+
+def read_checks(target: Target, keys: PromptKeys, stored_keys: Iterable[tuple[KeyKind, int, str]]) -> dict[str, str]:
+    """Read every stored object of the prompt and check it; key -> cause for those that fail."""
+    stored_keys = list(stored_keys)
+    if not stored_keys:
+        return {}
+    reader = open_reader(target)
+    failures: dict[str, str] = {}
+    try:
+        for start in range(0, len(stored_keys), READ_BATCH):
+            chunk = stored_keys[start : start + READ_BATCH]
+            for (kind, end_token, key), data in zip(chunk, reader.get([k for _, _, k in chunk]), strict=True):
+                cause = check_object(data, keys.namespace, expected_header(keys, kind, end_token))
+                if cause is not None:
+                    failures[key] = cause
+    finally:
+        reader.close()
+    return failures
+
+
+def prompt_report(
+    target: Target,
+    tokens: list[int],
+    namespace: str | None,
+    block_size: int | None,
+    hash_unit: int | None,
+    cache_salt: str | None,
+    request_ids: list[str],
+    verify: bool,
+    show_all: bool,
+) -> Report:
+    from kvtool.inspect.keys import describe_key, namespaces
+    from kvtool.inspect.watermarks import read_watermarks
+
+    block_size = block_size or target.block_size
+    if not block_size:
+        raise UserError("the block size is not known: give --block-size or --pair READY_FILE")
+    hash_unit = hash_unit or target.hash_unit or 1
+    every = admin.all_keys(target.admin)
+    chosen = choose_namespace(namespace, namespaces(describe_key(k) for k in every))
+    keys = PromptKeys.build(tokens, block_size, hash_unit, chosen, RequestIdentity(cache_salt=cache_salt).root_hash())
+    notes: list[str] = []
+
+    coverage: list[Coverage] = []
+    has_watermarks = any((d := decode_key(k)) is not None and d.kind is KeyKind.WATERMARK for k in every)
+    if request_ids:
+        wanted = set(request_ids)
+        for item in read_watermarks(target, chosen, keys=every):
+            record = item.record
+            if record is not None and record.request_id in wanted:
+                coverage.append(
+                    Coverage(record.request_id, record.durable_offset, record.tail_boundary, record.tail_durable)
+                )
+                wanted.discard(record.request_id)
+        if wanted:
+            notes.append(f"no watermark record in namespace {chosen} for request(s): {', '.join(sorted(wanted))}")
+    elif has_watermarks:
+        # Records name their prompt's last block key and tail key: match them to this prompt by those.
+        for item in read_watermarks(target, chosen, keys=every):
+            matched = record_coverage(item.record, keys) if item.record is not None else None
+            if matched is not None:
+                coverage.append(matched)
+
+    present = frozenset(every)
+    checks: dict[str, str] = {}
+    if verify and target.master:
+        ours = [c for c in candidate_boundaries(keys) if c[2] in present]
+        checks = read_checks(target, keys, ours)
+    elif verify:
+        notes.append("objects were not read and checked: give --master HOST:PORT or --pair READY_FILE")
+
+    result = inspect_prompt(keys, StoreSnapshot(present, coverage, checks), show_all)
+    if result.hidden_never_stored:
+        notes.append(f"{result.hidden_never_stored} other tail boundaries: never stored (--all-boundaries lists them)")
+    if result.loadable_hit_tokens != result.hit_tokens:
+        notes.append(
+            f"a consumer's lookup reports {result.hit_tokens} tokens but only {result.loadable_hit_tokens} would load: "
+            "the rest fail their check and are recomputed"
+        )
+    notes.append(
+        "a consumer reports this hit as local_hit_tokens + external_hit_tokens (vLLM's own prefix cache takes "
+        "whole blocks first)"
+    )
+    payload = asdict(result)
+    rows = [
+        {**asdict(b), "stored": b.stored, "in_hit": b.in_hit, "miss_reason": b.miss_reason or ""}
+        for b in result.boundaries
+    ]
+    summary = {
+        name: payload[name]
+        for name in ("namespace", "prompt_tokens", "hit_tokens", "block_hit_tokens", "tail_hit_tokens")
+        + ("loadable_hit_tokens", "stored_prefix_tokens", "save_tail_boundary")
+    }
+    return Report(
+        title=f"prompt of {len(tokens)} tokens (block size {block_size}, hash unit {hash_unit})",
+        columns=["end_token", "kind", "stored", "in_hit", "miss_reason", "key"],
+        rows=rows,
+        summary=summary,
+        notes=notes,
+        payload={"admin": target.admin, **payload, "notes": notes},
+    )

@@ -1,0 +1,186 @@
+"""The bench's summaries, JSON document, plot, and its one-line user errors (no pair needed)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from kvtool.bench.command import parse_compare
+from kvtool.bench.report import bench_document, bucket_label, connector_report, percentile, summarize
+from kvtool.bench.runner import (
+    ConsumerResult,
+    ProducerResult,
+    RequestLogReader,
+    WorkloadRun,
+    cached_tokens_hit,
+    kvtool_hit,
+    load_pair_info,
+)
+from kvtool.cli import app
+from kvtool.errors import UserError
+from kvtool.procs import find_free_port
+
+SUMMARY_FIELDS = {
+    "requests",
+    "prompt_tokens",
+    "ideal_tokens",
+    "hit_tokens",
+    "block_hit_tokens",
+    "tail_hit_tokens",
+    "hit_rate",
+    "efficiency",
+    "ttft_ms_p50",
+    "ttft_ms_p90",
+    "mismatches",
+}
+
+
+def consumer(workload="w", prompt=40, ideal=30, hit=30, block=0, tail=30, ttft=10.0, matched=True, step=1):
+    return ConsumerResult(workload, step, "x", prompt, ideal, hit, block, tail, ttft, True, matched, 0.0)
+
+
+def test_percentile_interpolates():
+    assert percentile([], 0.5) is None
+    assert percentile([5.0], 0.9) == 5.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.5
+    assert percentile([10.0, 0.0, 20.0], 0.9) == pytest.approx(18.0)
+
+
+def test_bucket_labels_follow_blocks():
+    assert [bucket_label(n, 32) for n in (1, 31, 32, 63, 64, 200, 511, 512, 4000)] == [
+        "0-31",
+        "0-31",
+        "32-63",
+        "32-63",
+        "64-127",
+        "128-255",
+        "256-511",
+        ">=512",
+        ">=512",
+    ]
+
+
+def test_summary_counts_tokens_rates_and_mismatches():
+    results = [consumer(hit=30), consumer(prompt=100, ideal=90, hit=64, block=64, tail=0, ttft=30.0, matched=False)]
+    run = WorkloadRun("w", results, [ProducerResult("w", 0, 40, 5.0, 2)], [1.0, 3.0], 0)
+    summary = summarize(results, [run])
+    assert SUMMARY_FIELDS <= set(summary)
+    assert (summary["prompt_tokens"], summary["ideal_tokens"], summary["hit_tokens"]) == (140, 120, 94)
+    assert (summary["block_hit_tokens"], summary["tail_hit_tokens"]) == (64, 30)
+    assert summary["hit_rate"] == pytest.approx(94 / 140)
+    assert summary["efficiency"] == pytest.approx(94 / 120)
+    assert summary["ttft_ms_p50"] == 20.0 and summary["mismatches"] == 1
+    assert summary["producer_ms_p50"] == 5.0 and summary["durability_wait_ms_p50"] == 2.0
+    assert summarize([])["efficiency"] is None
+
+
+def test_json_document_has_summary_config_seed_and_lists_mismatches():
+    run = WorkloadRun("w", [consumer(), consumer(matched=False, step=3)])
+    report = connector_report([run], block_size=32)
+    document = bench_document({"seed": 5, "requests": 2}, {"model": "m"}, {"kvtool": report}, compare=False)
+    assert document["seed"] == 5 and document["config"]["requests"] == 2
+    assert SUMMARY_FIELDS <= set(document["summary"])
+    assert document["mismatches"] == [{"workload": "w", "step": 3, "prompt_tokens": 40, "reason": ""}]
+    assert set(document["workloads"]) == {"w"} and "32-63" in document["buckets"]
+    json.dumps(document)
+
+    compared = bench_document({"seed": 5}, {}, {"kvtool": report, "none": report}, compare=True)
+    assert set(compared["connectors"]) == {"kvtool", "none"}
+    assert SUMMARY_FIELDS <= set(compared["connectors"]["none"]["summary"])
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("PIL")
+    from kvtool.bench.plot import write_plot
+
+    report = connector_report([WorkloadRun("w", [consumer(), consumer(hit=10)])], 32)
+    target = tmp_path / "plot.png"
+    write_plot(target, {"kvtool": report, "none": report})
+    assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_hits_from_the_request_log_and_from_usage():
+    record = {"local_hit_tokens": 32, "external_hit_tokens": 53, "block_hit_tokens": 32, "tail_hit_tokens": 21}
+    hit = kvtool_hit({**record, "lookup": "hit"}, cached_tokens=85)
+    assert (hit.tokens, hit.block_tokens, hit.tail_tokens) == (85, 64, 21)
+    # A request served wholly from vLLM's own cache: the log says 0, usage says 64.
+    local_only = {"local_hit_tokens": 0, "external_hit_tokens": 0, "block_hit_tokens": 0, "tail_hit_tokens": 0}
+    hit = kvtool_hit({**local_only, "lookup": "miss"}, cached_tokens=64)
+    assert (hit.tokens, hit.block_tokens, hit.tail_tokens) == (64, 64, 0)
+    usage = {"usage": {"prompt_tokens_details": {"cached_tokens": 64}}}
+    assert (cached_tokens_hit(usage).tokens, cached_tokens_hit(usage).tail_tokens) == (64, 0)
+    assert cached_tokens_hit({"usage": {"prompt_tokens_details": None}}).tokens == 0
+
+
+def test_request_log_reader_finds_tags_written_after_it_started(tmp_path):
+    log = tmp_path / "consumer-requests.jsonl"
+    log.write_text(json.dumps({"tag": "old", "lookup": "miss"}) + "\n")
+    reader = RequestLogReader(log)
+    with open(log, "a") as out:
+        out.write(json.dumps({"tag": "a", "lookup": "hit"}) + "\n" + '{"tag": "b", "lo')  # b: half written
+    assert reader.record("a", timeout_s=0)["lookup"] == "hit"
+    assert reader.record("old", timeout_s=0) is None
+    assert reader.record("b", timeout_s=0) is None
+    with open(log, "a") as out:
+        out.write('okup": "miss"}\n')
+    assert reader.record("b", timeout_s=0)["lookup"] == "miss"
+
+
+def test_compare_list_is_checked():
+    assert parse_compare("kvtool, none") == ["kvtool", "none"]
+    assert parse_compare(None) == []
+    for bad in ("kvtool,lmcache", "", "none,none"):
+        with pytest.raises(UserError):
+            parse_compare(bad)
+
+
+def test_ready_file_errors_are_sentences(tmp_path):
+    with pytest.raises(UserError, match="cannot read the ready file"):
+        load_pair_info(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(UserError, match="is not JSON"):
+        load_pair_info(tmp_path / "bad.json")
+    (tmp_path / "partial.json").write_text('{"producer": "http://127.0.0.1:1"}')
+    with pytest.raises(UserError, match="is not a serve-pair ready file"):
+        load_pair_info(tmp_path / "partial.json")
+
+
+def one_line_error(args: list[str]) -> str:
+    result = CliRunner().invoke(app, ["bench", *args])
+    assert result.exit_code != 0, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.output
+    assert "Traceback" not in result.output
+    return lines[0]
+
+
+def write_ready(tmp_path: Path, model: Path) -> Path:
+    port = find_free_port()
+    ready = tmp_path / "ready.json"
+    ready.write_text(
+        json.dumps(
+            {
+                "producer": f"http://127.0.0.1:{port}",
+                "consumer": f"http://127.0.0.1:{port}",
+                "admin": None,
+                "model": str(model),
+                "block_size": 32,
+                "hash_unit": 1,
+                "connector": "kvtool",
+            }
+        )
+    )
+    return ready
+
+
+def test_cli_bad_input_is_one_line(tmp_path):
+    assert "--pair READY_FILE" in one_line_error([])
+    assert "cannot read the ready file" in one_line_error(["--pair", str(tmp_path / "nope.json")])
+    ready = write_ready(tmp_path, tmp_path)
+    assert "is not reachable" in one_line_error(["--pair", str(ready)])
+    assert "--compare" in one_line_error(["--pair", str(ready), "--compare", "kvtool,none"])
+    assert "--compare 'kvtool,x'" in one_line_error(["--launch", "--compare", "kvtool,x"])
+    assert "--requests" in one_line_error(["--pair", str(ready), "--requests", "0"])
