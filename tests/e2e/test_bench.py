@@ -36,3 +36,33 @@ def test_bench_on_the_pair_reaches_the_ideal_with_tail_hits(pair, tmp_path):
         workload = document["workloads"][name]
         assert workload["efficiency"] >= 0.99, (name, workload)
     assert document["config"]["seed"] == 0 and document["config"]["workloads"] == ["sub-block", "cross-block"]
+
+
+def test_bench_launch_starts_its_own_pair_and_stops_it(tmp_path):
+    """The project's main job, small: `kvtool bench --launch` on the embedded default."""
+    from kvtool.procs import find_free_port
+
+    results = tmp_path / "launch.json"
+    argv = [
+        sys.executable,
+        "-m",
+        "kvtool.cli",
+        "bench",
+        "--launch",
+        "--json",
+        str(results),
+        "--requests",
+        "3",
+        "--max-tokens",
+        "3",
+        "--enforce-eager",
+        "--log-dir",
+        str(tmp_path / "logs"),
+    ]
+    for flag in ("producer", "consumer", "master", "admin"):
+        argv += [f"--{flag}-port", str(find_free_port())]
+    finished = subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+    summary = json.loads(results.read_text())["summary"]
+    assert summary["mismatches"] == 0 and summary["tail_hit_tokens"] > 0
+    assert summary["efficiency"] >= 0.99
