@@ -353,7 +353,7 @@ def bench_command(
         )
     except ValidationError as exc:
         first = exc.errors()[0]
-        field = first["loc"][-1] if first["loc"][0] not in ("trace", "prefix_repetition") else first["loc"][-1]
+        field = first["loc"][-1]
         prefix = "trace-" if first["loc"][0] == "trace" else ""
         raise UserError(f"--{prefix}{str(field).replace('_', '-')}: {first['msg']}") from None
     launch_cfg = None
