@@ -62,6 +62,15 @@ class KVToolConfig(BaseModel):
     save_timeout_s: float = Field(default=30.0, gt=0)
     connect_timeout_s: float = Field(default=10.0, gt=0)
 
+    # Never a stall: a failing store is skipped for a back-off; saves wait in bounded host memory.
+    breaker_failures: int = Field(default=3, gt=0, description="failed store calls in a row that open the breaker")
+    breaker_backoff_s: float = Field(default=1.0, gt=0, description="first back-off of an open breaker, doubling")
+    breaker_max_backoff_s: float = Field(default=30.0, gt=0)
+    save_buffer_bytes: int = Field(
+        default=1 << 30, gt=0, description="host copies of saves waiting for their puts, at most; beyond, dropped"
+    )
+    shutdown_drain_s: float = Field(default=10.0, ge=0, description="how long shutdown lets queued saves finish")
+
     @field_validator("master_server_address")
     @classmethod
     def _host_port(cls, value: str) -> str:

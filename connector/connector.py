@@ -12,13 +12,16 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
+from vllm.platforms import current_platform
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
 )
 
-from .config import load_config
+from .breaker import BreakerPolicy, CircuitBreaker, GuardedStore
+from .config import KVToolConfig, load_config
 from .data import KVToolMetadata, KVToolWorkerMeta
 from .layout import UnsupportedLayout, engine_namespace
 from .metrics import KVToolStats
@@ -57,11 +60,15 @@ class KVToolConnector(KVConnectorBase_V1):
 
         self.namespace = None
         try:
+            if current_platform.device_type != "cpu":
+                raise UnsupportedLayout(
+                    f"the KV cache is on {current_platform.device_type}; this version moves KV on the CPU only"
+                )
             self.namespace = engine_namespace(
                 vllm_config, kv_cache_config, self.config.model_id, self.config.weights_digest
             )
         except UnsupportedLayout as exc:
-            logger.warning("kvtool: connector disabled, %s", exc)
+            logger.warning("kvtool: connector disabled, %s; the engine serves without it", exc)
         self._store = self._open_store(role) if self.namespace is not None else None
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
@@ -71,15 +78,15 @@ class KVToolConnector(KVConnectorBase_V1):
                 self.config, namespace, self._store, loads_enabled=loads_enabled, saves_enabled=saves_enabled
             )
         else:
-            self._worker = WorkerSide(namespace, self._store, saves_enabled=saves_enabled)
+            self._worker = WorkerSide(namespace, self._store, self.config, saves_enabled=saves_enabled)
 
-    def _open_store(self, role: KVConnectorRole) -> SharedStore | None:
+    def _open_store(self, role: KVConnectorRole) -> GuardedStore | None:
         # Only the worker lends memory to the store; the scheduler side only asks what exists.
         config = (
             self.config if role == KVConnectorRole.WORKER else self.config.model_copy(update={"global_segment_size": 0})
         )
         try:
-            return SharedStore(config)
+            shared = SharedStore(config)
         except StoreError as exc:
             logger.warning(
                 "kvtool: Mooncake store at %s is unavailable (%s); serving without the connector's help",
@@ -87,6 +94,8 @@ class KVToolConnector(KVConnectorBase_V1):
                 exc,
             )
             return None
+        side = "worker" if role == KVConnectorRole.WORKER else "scheduler"
+        return GuardedStore(shared, CircuitBreaker(_breaker_policy(self.config)), side)
 
     # ---- scheduler side ---------------------------------------------------------------------------
 
@@ -143,8 +152,15 @@ class KVToolConnector(KVConnectorBase_V1):
         if isinstance(meta, KVToolMetadata):
             self._worker.wait_for_save(meta)
 
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.get_block_ids_with_load_errors() if self._worker is not None else set()
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, self.get_transfer_results(finished_req_ids).finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Loads that ended this step; failed ones are failed receives, which vLLM recomputes whole."""
+        if self._worker is None:
+            return KVConnectorTransferResults()
+        received, failed = self._worker.get_finished()
+        return KVConnectorTransferResults(finished_recving=received, failed_recving=failed)
 
     def build_connector_worker_meta(self) -> KVToolWorkerMeta | None:
         return self._worker.take_load_failures() if self._worker is not None else None
@@ -154,9 +170,10 @@ class KVToolConnector(KVConnectorBase_V1):
             self._scheduler.record_load_failures(connector_output.kv_connector_worker_meta)
 
     def get_kv_connector_stats(self) -> KVToolStats | None:
-        if self._worker is None:
+        side = self._worker if self._worker is not None else self._scheduler
+        if side is None:
             return None
-        taken = self._worker.take_stats()
+        taken = side.take_stats()
         return KVToolStats(data=taken) if taken else None
 
     @classmethod
@@ -175,6 +192,10 @@ class KVToolConnector(KVConnectorBase_V1):
         if self._store is not None:
             self._store.close()
             self._store = None
+
+
+def _breaker_policy(config: KVToolConfig) -> BreakerPolicy:
+    return BreakerPolicy(config.breaker_failures, config.breaker_backoff_s, config.breaker_max_backoff_s)
 
 
 def _placeholder_namespace():

@@ -70,32 +70,54 @@ class StoredPrefix:
 
 
 def find_stored_prefix(keys: PromptKeys, exists: ExistsFn) -> StoredPrefix:
-    """Longest stored prefix, at hash-unit granularity.
+    """Longest stored prefix of one prompt (see ``find_stored_prefixes``)."""
+    return find_stored_prefixes([keys], exists)[0]
 
-    The first query asks for every full-block key plus the tail candidates of the prompt's last
-    block, which answers the common cases (a repeated prompt; every full block stored) in one round
-    trip. When the stored blocks stop earlier, at block k, a second query asks for the tail
-    candidates inside block k: that is where a stored shorter prompt (a sub-block prompt, the
-    previous chat turn) ends.
+
+def find_stored_prefixes(prompts: Sequence[PromptKeys], exists: ExistsFn) -> list[StoredPrefix]:
+    """Longest stored prefix of each prompt, at hash-unit granularity, in at most two queries in all.
+
+    The first query asks, for every prompt, for every full-block key plus the tail candidates of the
+    prompt's last block, which answers the common cases (a repeated prompt; every full block stored)
+    in one round trip. Where a prompt's stored blocks stop earlier, at block k, a second query (one
+    for all such prompts) asks for the tail candidates inside block k: that is where a stored shorter
+    prompt (a sub-block prompt, the previous chat turn) ends.
     """
-    block_size = keys.block_size
-    last_block = len(keys.tokens) // block_size
-    block_keys = [keys.block_key(i) for i in range(keys.num_full_blocks)]
-    last_tails = keys.tail_candidates(last_block)
-    answers = exists(block_keys + [keys.tail_key(b) for b in last_tails])
+    first: list[tuple[list[str], list[int]]] = []
+    query: list[str] = []
+    for keys in prompts:
+        block_keys = [keys.block_key(i) for i in range(keys.num_full_blocks)]
+        last_tails = keys.tail_candidates(len(keys.tokens) // keys.block_size)
+        first.append((block_keys, last_tails))
+        query += block_keys + [keys.tail_key(b) for b in last_tails]
+    answers = exists(query) if query else []
 
-    full_blocks = 0
-    while full_blocks < len(block_keys) and answers[full_blocks]:
-        full_blocks += 1
+    results: list[StoredPrefix | None] = []
+    second: list[tuple[int, int, list[int]]] = []  # (prompt index, full blocks, inner tail candidates)
+    second_query: list[str] = []
+    offset = 0
+    for index, (keys, (block_keys, last_tails)) in enumerate(zip(prompts, first, strict=True)):
+        mine = answers[offset : offset + len(block_keys) + len(last_tails)]
+        offset += len(mine)
+        full_blocks = 0
+        while full_blocks < len(block_keys) and mine[full_blocks]:
+            full_blocks += 1
+        if full_blocks == keys.num_full_blocks:
+            tail = _longest(last_tails, mine[len(block_keys) :])
+            results.append(StoredPrefix(keys.block_size, full_blocks, tail, queries=1))
+            continue
+        inner = keys.tail_candidates(full_blocks)
+        results.append(None)
+        second.append((index, full_blocks, inner))
+        second_query += [keys.tail_key(b) for b in inner]
 
-    if full_blocks == keys.num_full_blocks:
-        tail_answers = answers[len(block_keys) :]
-        tail = _longest(last_tails, tail_answers)
-        return StoredPrefix(block_size, full_blocks, tail, queries=1)
-
-    inner_tails = keys.tail_candidates(full_blocks)
-    inner_answers = exists([keys.tail_key(b) for b in inner_tails]) if inner_tails else []
-    return StoredPrefix(block_size, full_blocks, _longest(inner_tails, inner_answers), queries=2)
+    inner_answers = exists(second_query) if second_query else []
+    offset = 0
+    for index, full_blocks, inner in second:
+        mine = inner_answers[offset : offset + len(inner)]
+        offset += len(inner)
+        results[index] = StoredPrefix(prompts[index].block_size, full_blocks, _longest(inner, mine), queries=2)
+    return [r for r in results if r is not None]
 
 
 def _longest(boundaries: list[int], answers: Sequence[bool]) -> int | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -12,7 +13,9 @@ from .data import BlockTransfer, KVToolMetadata, RequestLoad, RequestSave, Store
 from .hashing import RequestIdentity
 from .keys import KeyKind, Namespace, watermark_key
 from .watermarks import SEQ_FINAL
-from .prefix import LoadPlan, ObjectSave, PromptKeys, find_stored_prefix, plan_load, plan_save
+from .calls import BoundedCalls
+from .lookups import LookupBatcher
+from .prefix import LoadPlan, ObjectSave, PromptKeys, StoredPrefix, plan_load, plan_save
 from .store import KVStore, StoreError
 
 if TYPE_CHECKING:
@@ -63,6 +66,8 @@ class _Tracked:
     keys: PromptKeys
     block_ids: list[int] = field(default_factory=list)
     plan: LoadPlan | None = None
+    stored: StoredPrefix | None = None  # what the last lookup found stored
+    offered: bool = False  # a lookup answered vLLM and its allocation is still to come
     stored_prefix_tokens: int = 0
     lookup: str = "not looked up"
     local_tokens: int = 0  # vLLM's own (block-aligned) prefix-cache hit, as presented to the lookup
@@ -83,6 +88,7 @@ class SchedulerSide:
         *,
         loads_enabled: bool,
         saves_enabled: bool,
+        lookup_calls: BoundedCalls | None = None,
     ):
         self._config = config
         self._namespace = namespace.key_component()
@@ -93,8 +99,10 @@ class SchedulerSide:
         self._tracked: dict[str, _Tracked] = {}
         self._pending_loads: list[RequestLoad] = []
         self._warned: set[str] = set()
-        self.lookups = 0
-        self.lookup_errors = 0
+        self.stats: Counter[str] = Counter()
+        self._lookups = (
+            LookupBatcher(store.exists, config.lookup_timeout_s, calls=lookup_calls) if store is not None else None
+        )
         self._request_log = RequestLog(config.request_log) if config.request_log else None
 
     # -- lookup -------------------------------------------------------------------------------------
@@ -113,33 +121,49 @@ class SchedulerSide:
             self._tracked[request.request_id] = tracked
         return tracked
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """The external hit, or None while its lookup is in flight (vLLM retries on a later step).
+
+        Lookups never block: they are sent in one batch per step (``build_connector_meta``) and
+        answered on a background thread. A hit is loaded asynchronously (``load_kv_async=True``).
+        """
         tracked = self._track(request)
         tracked.local_tokens = num_computed_tokens
-        if not self._loads_enabled or len(tracked.keys.tokens) < 2:
+        req_id = request.request_id
+        if self._lookups is None or len(tracked.keys.tokens) < 2:
             return 0, False
-        self.lookups += 1
-        try:
-            stored = find_stored_prefix(tracked.keys, self._exists)
-        except StoreError as exc:
-            self.lookup_errors += 1
-            self._warn_once("lookup", f"kvtool: store lookup failed, serving as a cache miss: {exc}")
-            tracked.lookup, tracked.plan = f"error: {exc}", None
+        if not self._loads_enabled:
+            # A producer only learns what is stored already, for its save; it never waits for that.
+            self._lookups.want(req_id, tracked.keys)
             return 0, False
-        plan = plan_load(tracked.keys, stored, num_computed_tokens)
-        tracked.plan = plan
-        tracked.stored_prefix_tokens = stored.tokens
+        if tracked.load_failure is not None:
+            return 0, False  # its load failed: vLLM recomputes, and a second try would likely fail too
+        outcome = self._lookups.poll(req_id)
+        if outcome is None:
+            self._lookups.want(req_id, tracked.keys)
+            return None, False
+        self._lookups.forget(req_id)  # a preempted request that comes back looks up afresh
+        self.stats["lookups"] += 1
+        if isinstance(outcome, StoreError):
+            self.stats["lookup_errors"] += 1
+            self._warn_once("lookup", f"kvtool: store lookup failed, serving as a cache miss: {outcome}")
+            tracked.lookup, tracked.plan, tracked.stored = f"error: {outcome}", None, None
+            return 0, False
+        plan = plan_load(tracked.keys, outcome, num_computed_tokens)
+        tracked.plan, tracked.stored = plan, outcome
+        tracked.stored_prefix_tokens = outcome.tokens
         tracked.lookup = "hit" if plan.external_tokens else "miss"
-        return plan.external_tokens, False
-
-    def _exists(self, keys: list[str]) -> list[bool]:
-        assert self._store is not None
-        return self._store.exists(keys)
+        tracked.offered = True
+        return plan.external_tokens, plan.external_tokens > 0
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         tracked = self._track(request)
         block_ids = list(blocks.get_block_ids()[0])
         tracked.block_ids = block_ids
+        if not tracked.offered:
+            # vLLM calls this again when a request whose load ended is scheduled: nothing new to load.
+            return
+        tracked.offered = False
         plan = tracked.plan
         tracked.granted_external = max(0, num_external_tokens) if plan is not None else 0
         if num_external_tokens <= 0 or plan is None:
@@ -159,6 +183,8 @@ class SchedulerSide:
     # -- metadata -----------------------------------------------------------------------------------
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVToolMetadata:
+        if self._lookups is not None:
+            self._lookups.flush()  # this step's lookups, as one batch in the background
         meta = KVToolMetadata(loads=self._pending_loads)
         self._pending_loads = []
         if not self._saves_enabled:
@@ -195,7 +221,7 @@ class SchedulerSide:
             return
         tracked.save_scheduled = True
         planned = plan_save(tracked.keys)
-        present = self._present(planned)
+        present = self._known_present(tracked, planned)
         missing = [s for s, found in zip(planned, present, strict=True) if not found]
         usable = [s for s in missing if s.block_index < len(tracked.block_ids)]
         if len(usable) != len(missing):
@@ -226,13 +252,24 @@ class SchedulerSide:
         tails = [s.token_end for s in usable if s.kind is KeyKind.TAIL]
         tracked.tail_boundary_saved = tails[0] if tails else None
 
-    def _present(self, saves: list[ObjectSave]) -> list[bool]:
-        """Which of the prompt's objects the store holds already (one existence query); on a store
-        error, none (a put of a present key is a no-op)."""
-        try:
-            return self._exists([s.key for s in saves])
-        except StoreError:
+    def _known_present(self, tracked: _Tracked, saves: list[ObjectSave]) -> list[bool]:
+        """Which of the prompt's objects a lookup already found stored (no copy needed for those).
+
+        Nothing is taken as present after a failed load (the object may be gone); the worker asks
+        the store again, in the background, before it puts anything."""
+        stored = tracked.stored
+        if stored is None and self._lookups is not None:
+            outcome = self._lookups.poll(tracked.request.request_id)
+            stored = outcome if isinstance(outcome, StoredPrefix) else None
+        if stored is None or tracked.load_failure is not None:
             return [False] * len(saves)
+        keys = tracked.keys
+        return [
+            s.block_index < stored.full_blocks
+            if s.kind is KeyKind.BLOCK
+            else stored.full_blocks == keys.num_full_blocks and stored.tail_boundary == s.token_end
+            for s in saves
+        ]
 
     def record_load_failures(self, worker_meta: object) -> None:
         for req_id, failure in getattr(worker_meta, "load_failures", {}).items():
@@ -242,7 +279,23 @@ class SchedulerSide:
 
     # -- finish -------------------------------------------------------------------------------------
 
+    def take_stats(self) -> dict[str, int]:
+        taken, self.stats = dict(self.stats), Counter()
+        if self._lookups is not None:
+            for name in ("batches", "timeouts"):
+                value = getattr(self._lookups, name)
+                if value:
+                    taken[f"lookup_{name}"] = value
+                    setattr(self._lookups, name, 0)
+        more = getattr(self._store, "take_stats", None)
+        if more is not None:
+            for name, value in more().items():
+                taken[name] = taken.get(name, 0) + value
+        return taken
+
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        if self._lookups is not None:
+            self._lookups.forget(request.request_id)
         tracked = self._tracked.pop(request.request_id, None)
         if tracked is None:
             return False, None

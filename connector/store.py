@@ -1,33 +1,29 @@
 """The store interface the connector needs, and its Mooncake implementation.
 
 Four calls: batched existence, batched get, put of immutable objects, close. Every call runs under a
-time-out on a small thread pool, so a slow or wedged store becomes a ``StoreError`` (a miss to the
-caller), never a blocked scheduler.
+time-out on a bounded set of threads (``calls.BoundedCalls``), so a slow or wedged store becomes a
+``StoreError`` (a miss to the caller), and calls that hang never pile up threads or a queue.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import socket
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from enum import Enum
-from typing import Protocol, TypeVar
+from typing import Protocol
 
+from .calls import BoundedCalls, StoreError
 from .config import KVToolConfig
 
-logger = logging.getLogger("vllm.kvtool")
+__all__ = ["KVStore", "MooncakeStore", "PutOutcome", "SharedStore", "StoreError"]
 
-T = TypeVar("T")
+logger = logging.getLogger("vllm.kvtool")
 
 # Mooncake error codes seen on these machines (see ENVIRONMENT.md).
 _NO_SPACE = -200
 _NOT_FOUND = -704
-
-
-class StoreError(Exception):
-    """The store could not answer (unreachable, timed out, failed); callers treat it as a miss."""
 
 
 class PutOutcome(str, Enum):
@@ -50,33 +46,12 @@ class KVStore(Protocol):
     def close(self) -> None: ...
 
 
-class TimedCalls:
-    """Runs store calls on worker threads and gives up on them after a time-out."""
-
-    def __init__(self, name: str, workers: int = 2):
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
-
-    def call(self, fn: Callable[[], T], timeout_s: float, what: str) -> T:
-        future = self._pool.submit(fn)
-        try:
-            return future.result(timeout=timeout_s)
-        except concurrent.futures.TimeoutError:
-            raise StoreError(f"{what} timed out after {timeout_s:.3g} s") from None
-        except StoreError:
-            raise
-        except Exception as exc:  # the client library raises assorted errors; all are misses
-            raise StoreError(f"{what} failed: {exc}") from exc
-
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
-
 class MooncakeStore:
     """``KVStore`` over ``mooncake.store.MooncakeDistributedStore``."""
 
     def __init__(self, config: KVToolConfig):
         self._config = config
-        self._calls = TimedCalls("kvtool-store", workers=4)
+        self._calls = BoundedCalls("kvtool-store", limit=4)
         self._client = self._calls.call(self._connect, config.connect_timeout_s, "connecting to the Mooncake master")
         if config.fault_control_file:
             from .faults import FaultyClient

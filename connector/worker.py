@@ -1,27 +1,30 @@
 """Worker side: copies whole physical blocks between vLLM's KV cache and stored objects.
 
-Loads are synchronous, before the forward pass that needs them. Saves copy the blocks into host
-memory at the end of the step that computed them (so a later preemption or block reuse cannot
-change what is stored), then put them from a background thread.
+Loads are asynchronous (``loader.Loader``): fetched and checked on a background thread, copied into
+the request's blocks on the engine thread between forward passes, and reported through
+``get_finished``; a failed or late load is a failed receive, which vLLM recomputes. Saves copy the
+blocks into host memory at the end of the step that computed them (so a later preemption or block
+reuse cannot change what is stored), within a byte budget, then put them from a background thread
+(``saver.Saver``).
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
-import time
 import warnings
 from collections import Counter
-from dataclasses import dataclass, replace
 
 import torch
 
-from .data import BlockTransfer, KVToolMetadata, KVToolWorkerMeta, RequestLoad, RequestSave
+from .calls import BoundedCalls
+from .config import KVToolConfig
+from .data import BlockTransfer, KVToolMetadata, KVToolWorkerMeta, RequestSave
 from .keys import KeyKind, Namespace, block_key, tail_key, watermark_key
-from .objects import HEADER_SIZE, ObjectHeader, ObjectRejected, encode_object, verify_object
-from .store import KVStore, PutOutcome, StoreError
-from .watermarks import SEQ_FINAL, SEQ_PENDING, ObjectProgress, WatermarkRecord, watermark
+from .loader import Loader
+from .objects import HEADER_SIZE, ObjectHeader, encode_object
+from .saver import ObjectCopy, Saver, SaveJob
+from .store import KVStore
 
 logger = logging.getLogger("vllm.kvtool")
 
@@ -29,62 +32,38 @@ logger = logging.getLogger("vllm.kvtool")
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
 
-class _SaveJob:
-    """One request's save in flight: its objects' progress, in prompt order, updated by the put thread."""
-
-    def __init__(self, save: RequestSave):
-        self.save = save
-        self.objects = [ObjectProgress(o.kind, o.token_start, o.token_end, "present") for o in save.already_stored]
-        self.transfer_index: list[int] = []
-        for transfer in save.transfers:
-            self.transfer_index.append(len(self.objects))
-            self.objects.append(ObjectProgress(transfer.kind, transfer.token_start, transfer.token_end, "pending"))
-        # Blocks first in token order, the tail last, as the watermark rule reads them.
-        order = sorted(
-            range(len(self.objects)), key=lambda i: (self.objects[i].kind is KeyKind.TAIL, self.objects[i].token_start)
-        )
-        position = {old: new for new, old in enumerate(order)}
-        self.objects = [self.objects[i] for i in order]
-        self.transfer_index = [position[i] for i in self.transfer_index]
-
-    def record(self) -> WatermarkRecord:
-        save = self.save
-        return watermark(
-            save.req_id, save.tag, save.prompt_tokens, self.objects, time.time(), save.last_block_key, save.tail_key
-        )
-
-    def settle(self, transfer_number: int, outcome: str) -> None:
-        index = self.transfer_index[transfer_number]
-        self.objects[index] = replace(self.objects[index], outcome=outcome)
-
-
-@dataclass(frozen=True)
-class _PreparedPut:
-    """A queued put: an object of a save (``transfer_number`` set) or a watermark record."""
-
-    job: _SaveJob
-    key: str
-    value: bytes
-    transfer_number: int | None = None
-    final_record: bool = False
-
-
 class WorkerSide:
-    def __init__(self, namespace: Namespace, store: KVStore | None, *, saves_enabled: bool):
+    def __init__(
+        self,
+        namespace: Namespace,
+        store: KVStore | None,
+        config: KVToolConfig,
+        *,
+        saves_enabled: bool,
+        load_calls: BoundedCalls | None = None,
+    ):
         self._namespace = namespace
         self._ns_key = namespace.key_component()
         self._fingerprint = namespace.fingerprint()
         self._store = store
+        self._config = config
         self._saves_enabled = saves_enabled and store is not None
         self._layers: list[torch.Tensor] = []
         self._block_bytes = 0  # bytes of one block across all layers
-        self._invalid_block_ids: set[int] = set()
         self._load_failures: dict[str, tuple[int, str]] = {}
         self.stats: Counter[str] = Counter()
         self._stats_lock = threading.Lock()
         self._warned: set[str] = set()
-        self._puts: queue.Queue[_PreparedPut | None] = queue.Queue()
-        self._put_thread: threading.Thread | None = None
+        self._loader = Loader(
+            store,
+            key_of=self._key,
+            header_of=self._header,
+            object_bytes=lambda: HEADER_SIZE + self._block_bytes,
+            write_block=self._write_block,
+            timeout_s=config.load_timeout_s,
+            calls=load_calls,
+        )
+        self._saver: Saver | None = None
 
     # -- set-up -------------------------------------------------------------------------------------
 
@@ -94,6 +73,10 @@ class WorkerSide:
             tensor = kv_caches.get(name)
             if tensor is None:
                 raise ValueError(f"no KV cache tensor for layer {name}")
+            if tensor.device.type != "cpu":
+                raise ValueError(
+                    f"the KV cache of layer {name} is on {tensor.device}; this version moves KV on the CPU only"
+                )
             if tensor.shape[0] != num_blocks:
                 raise ValueError(
                     f"layer {name}: KV cache of shape {tuple(tensor.shape)} does not have its {num_blocks} blocks "
@@ -110,9 +93,12 @@ class WorkerSide:
             self._block_bytes,
             self._ns_key,
         )
-        if self._saves_enabled:
-            self._put_thread = threading.Thread(target=self._put_loop, name="kvtool-put", daemon=True)
-            self._put_thread.start()
+        if self._saves_enabled and self._store is not None:
+            self._saver = Saver(
+                self._store,
+                budget_bytes=self._config.save_buffer_bytes,
+                drain_timeout_s=self._config.shutdown_drain_s,
+            )
 
     @property
     def ready(self) -> bool:
@@ -148,42 +134,25 @@ class WorkerSide:
     # -- loads --------------------------------------------------------------------------------------
 
     def start_load_kv(self, meta: KVToolMetadata) -> None:
-        if not self.ready:
-            # Planned loads must still be reported, or vLLM would use blocks nobody filled.
-            for load in meta.loads:
-                self._fail_from(load, 0, "no_store", "the worker has no store connection")
-            return
+        """Start this step's loads in the background (a worker without a store fails them at once)."""
         for load in meta.loads:
-            self._load_request(load)
+            if self.ready:
+                self._loader.start(load)
+            else:  # planned loads must still fail, or vLLM would use blocks nobody filled
+                self._loader.fail(load, "no_store", "the worker-side connector is disabled or has no store")
 
-    def _load_request(self, load: RequestLoad) -> None:
-        assert self._store is not None
-        keys = [self._key(t) for t in load.transfers]
-        try:
-            values = self._store.get(keys, HEADER_SIZE + self._block_bytes)
-        except StoreError as exc:
-            self._fail_from(load, 0, "store_error", str(exc))
-            return
-        for index, (transfer, value) in enumerate(zip(load.transfers, values, strict=True)):
-            if value is None:
-                self._fail_from(load, index, "missing", f"{keys[index]} could not be read")
-                return
-            try:
-                payload = verify_object(value, self._header(transfer))
-            except ObjectRejected as exc:
-                self._fail_from(load, index, exc.cause, f"{keys[index]}: {exc}")
-                return
-            self._write_block(transfer.block_id, payload)
-            self._count("objects_loaded")
-            self._count("bytes_loaded", len(payload))
-            self._count("tail_objects_loaded" if transfer.kind is KeyKind.TAIL else "block_objects_loaded")
-
-    def _fail_from(self, load: RequestLoad, index: int, cause: str, detail: str) -> None:
-        """Mark the failed block and every later one invalid: vLLM recomputes from the first."""
-        self._invalid_block_ids.update(t.block_id for t in load.transfers[index:])
-        self._load_failures[load.req_id] = (load.transfers[index].token_start, cause)
-        self._count(f"load_failures_{cause}")
-        self._warn_once(f"load-{cause}", f"kvtool: load failed ({cause}), recomputing: {detail}")
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        """Loads that ended since the last step: (received, of which failed). Copies the good ones in."""
+        finished, counts = self._loader.finish()
+        for name, amount in counts.items():
+            self._count(name, amount)
+        failed = finished.failed or {}
+        for req_id, (token, failure) in failed.items():
+            self._load_failures[req_id] = (token, failure.cause)
+            self._warn_once(
+                f"load-{failure.cause}", f"kvtool: load failed ({failure.cause}), recomputing: {failure.detail}"
+            )
+        return set(finished.received), set(failed)
 
     def _write_block(self, block_id: int, payload: memoryview) -> None:
         offset = 0
@@ -200,73 +169,53 @@ class WorkerSide:
         failures, self._load_failures = self._load_failures, {}
         return KVToolWorkerMeta(failures)
 
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        invalid, self._invalid_block_ids = self._invalid_block_ids, set()
-        return invalid
+    @property
+    def loads_in_flight(self) -> int:
+        return self._loader.in_flight
 
     # -- saves --------------------------------------------------------------------------------------
 
     def wait_for_save(self, meta: KVToolMetadata) -> None:
-        if not self._saves_enabled or not self.ready:
+        if self._saver is None or not self.ready:
             return
         for save in meta.saves:
             self._snapshot(save)
 
     def _snapshot(self, save: RequestSave) -> None:
-        job = _SaveJob(save)
-        prepared = []
-        for number, transfer in enumerate(save.transfers):
-            value = encode_object(self._header(transfer), self._read_block(transfer.block_id))
-            prepared.append(_PreparedPut(job, self._key(transfer), value, transfer_number=number))
-        self._puts.put(_PreparedPut(job, self._watermark_key(save, SEQ_PENDING), job.record().encode()))
-        for item in prepared:
-            self._puts.put(item)
-        # Queued after the data: when the put thread reaches it, every put of the save has ended.
-        self._puts.put(_PreparedPut(job, self._watermark_key(save, SEQ_FINAL), b"", final_record=True))
-
-    def _watermark_key(self, save: RequestSave, seq: int) -> str:
-        return watermark_key(self._ns_key, save.req_id, seq)
+        """Copy the save's blocks (as many leading ones as the budget allows) and queue their puts."""
+        assert self._saver is not None
+        breaker = getattr(self._store, "breaker", None)
+        if breaker is not None and breaker.is_open:
+            self._count("saves_skipped_breaker")  # no copy made: the store is failing
+            return
+        object_bytes = HEADER_SIZE + self._block_bytes
+        fits = self._saver.admit(len(save.transfers), object_bytes)
+        if fits == 0:
+            return
+        # The budget keeps a prefix: full blocks in order, the tail only when every block fits.
+        copies = [
+            ObjectCopy(
+                number, self._key(transfer), encode_object(self._header(transfer), self._read_block(transfer.block_id))
+            )
+            for number, transfer in enumerate(save.transfers[:fits])
+        ]
+        job = SaveJob(save, copies, lambda seq: watermark_key(self._ns_key, save.req_id, seq))
+        self._saver.submit(job, fits * object_bytes)
 
     def _read_block(self, block_id: int) -> bytes:
         parts = [layer[block_id].contiguous().view(torch.uint8).reshape(-1).numpy().tobytes() for layer in self._layers]
         return b"".join(parts)
 
-    def _put_loop(self) -> None:
-        while True:
-            item = self._puts.get()
-            if item is None:
-                return
-            value = item.job.record().encode() if item.final_record else item.value
-            outcome = self._put(item.key, value)
-            if item.transfer_number is None:
-                self._count(f"watermarks_{outcome.value}")
-                continue
-            item.job.settle(item.transfer_number, outcome.value)
-            self._count(f"saves_{outcome.value}")
-            if outcome is PutOutcome.STORED:
-                self._count("bytes_saved", len(value))
-            elif outcome is PutOutcome.NO_SPACE:
-                self._warn_once("no-space", "kvtool: the store is full; puts are dropped until it evicts")
-
-    def _put(self, key: str, value: bytes) -> PutOutcome:
-        if self._store is None:
-            return PutOutcome.FAILED
-        try:
-            return self._store.put(key, value)
-        except StoreError as exc:
-            self._warn_once("put", f"kvtool: put failed, that prefix stays a miss: {exc}")
-            return PutOutcome.FAILED
-
-    def pending_puts(self) -> int:
-        return self._puts.qsize()
-
     def take_stats(self) -> dict[str, int]:
         with self._stats_lock:
             taken, self.stats = dict(self.stats), Counter()
+        for source in (self._saver, self._store):
+            more = getattr(source, "take_stats", None)
+            if more is not None:
+                for name, value in more().items():
+                    taken[name] = taken.get(name, 0) + value
         return taken
 
-    def shutdown(self, timeout_s: float = 10.0) -> None:
-        if self._put_thread is not None:
-            self._puts.put(None)
-            self._put_thread.join(timeout=timeout_s)
-            self._put_thread = None
+    def shutdown(self, timeout_s: float | None = None) -> None:
+        if self._saver is not None:
+            self._saver.shutdown(timeout_s)

@@ -30,3 +30,22 @@ class ScriptedStore:
 
     def close(self):
         pass
+
+
+class InlineCalls:
+    """A stand-in for ``connector.calls.BoundedCalls`` that runs each call at once, on the caller's
+    thread: the background job has answered by the time ``submit`` returns."""
+
+    def __init__(self):
+        self.submitted = 0
+
+    def submit(self, fn, what):
+        import concurrent.futures
+
+        self.submitted += 1
+        future = concurrent.futures.Future()
+        try:
+            future.set_result(fn())
+        except Exception as exc:  # noqa: BLE001 - handed to the caller through the future
+            future.set_exception(exc)
+        return future

@@ -10,7 +10,7 @@ from connector.keys import Namespace
 from connector.prefix import PromptKeys, plan_save
 from connector.scheduler import SchedulerSide
 
-from .scripted_store import ScriptedStore
+from .scripted_store import InlineCalls, ScriptedStore
 
 NS = Namespace(model="m", dtype="float32", kv_layout="cpu", block_size=32, num_layers=2, num_kv_heads=2, head_size=64)
 CONFIG = load_config({"master_server_address": "127.0.0.1:1"})
@@ -37,6 +37,18 @@ def publish(store, tokens, salt=None):
         store.objects[save.key] = b"object"
 
 
+EMPTY_STEP = SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=None, num_scheduled_tokens={})
+
+
+def lookup(side, req, num_computed=0):
+    """vLLM's view of an asynchronous lookup: None in the step that asks, the answer in the next."""
+    first = side.get_num_new_matched_tokens(req, num_computed)
+    if first != (None, False):
+        return first
+    side.build_connector_meta(EMPTY_STEP)  # ends the step: the batch goes out (and answers, inline)
+    return side.get_num_new_matched_tokens(req, num_computed)
+
+
 def allocate(side, req, num_external):
     """What vLLM's scheduler does after a lookup: allocate blocks and tell the connector what it took."""
     blocks = SimpleNamespace(get_block_ids=lambda: (list(range(10, 10 + len(req.prompt_token_ids) // 32 + 1)),))
@@ -44,7 +56,7 @@ def allocate(side, req, num_external):
 
 
 def consumer(store):
-    return SchedulerSide(CONFIG, NS, store, loads_enabled=True, saves_enabled=False)
+    return SchedulerSide(CONFIG, NS, store, loads_enabled=True, saves_enabled=False, lookup_calls=InlineCalls())
 
 
 def test_a_stored_partial_tail_is_offered_token_exact():
@@ -52,7 +64,7 @@ def test_a_stored_partial_tail_is_offered_token_exact():
     publish(store, PROMPT)
     side = consumer(store)
     req = request(PROMPT + [1, 2, 3])
-    assert side.get_num_new_matched_tokens(req, 0) == (85, False)
+    assert lookup(side, req) == (85, True)
     allocate(side, req, 85)
     (load,) = side.build_connector_meta(
         SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=None, num_scheduled_tokens={})
@@ -67,10 +79,10 @@ def test_a_lookup_error_is_a_miss_not_a_failure():
     publish(store, PROMPT)
     store.fail_exists = True
     side = consumer(store)
-    assert side.get_num_new_matched_tokens(request(PROMPT + [1]), 0) == (0, False)
+    assert lookup(side, request(PROMPT + [1])) == (0, False)
     details = side.request_finished(request(PROMPT + [1]))[1]["kvtool"]
     assert details["lookup"].startswith("error:") and details["external_hit_tokens"] == 0
-    assert side.lookup_errors == 1
+    assert side.take_stats()["lookup_errors"] == 1
 
 
 def test_no_store_means_no_hits():
@@ -82,22 +94,22 @@ def test_another_users_salt_never_hits():
     store = ScriptedStore()
     publish(store, PROMPT, salt="alice")
     side = consumer(store)
-    assert side.get_num_new_matched_tokens(request(PROMPT + [1], cache_salt="bob"), 0) == (0, False)
-    assert side.get_num_new_matched_tokens(request(PROMPT + [1], "r2", cache_salt="alice"), 0) == (85, False)
+    assert lookup(side, request(PROMPT + [1], cache_salt="bob")) == (0, False)
+    assert lookup(side, request(PROMPT + [1], "r2", cache_salt="alice")) == (85, True)
 
 
 def test_the_local_block_aligned_hit_is_not_claimed_again():
     store = ScriptedStore()
     publish(store, PROMPT)
-    assert consumer(store).get_num_new_matched_tokens(request(PROMPT), 64) == (20, False)
+    assert lookup(consumer(store), request(PROMPT), 64) == (20, True)
 
 
 def test_a_producer_saves_in_the_step_that_completes_the_prompt_and_skips_stored_objects():
     store = ScriptedStore()
     publish(store, PROMPT[:64])  # the two full blocks are already stored
-    side = SchedulerSide(CONFIG, NS, store, loads_enabled=False, saves_enabled=True)
+    side = SchedulerSide(CONFIG, NS, store, loads_enabled=False, saves_enabled=True, lookup_calls=InlineCalls())
     req = request(PROMPT, kv_transfer_params={"kvtool_tag": "t9"})
-    side.get_num_new_matched_tokens(req, 0)
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)  # a producer never waits for its lookup
     chunk = SimpleNamespace(req_id="r1", block_ids=([4, 5, 6],), num_computed_tokens=0)
     cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[])
     first = side.build_connector_meta(
@@ -124,7 +136,7 @@ def test_a_failed_load_is_reported_as_what_was_really_reused():
     publish(store, PROMPT)
     side = consumer(store)
     req = request(PROMPT + [1, 2])
-    assert side.get_num_new_matched_tokens(req, 0) == (85, False)
+    assert lookup(side, req) == (85, True)
     allocate(side, req, 85)
     side.record_load_failures(KVToolWorkerMeta({"r1": (64, "checksum")}))
     details = side.request_finished(req)[1]["kvtool"]
@@ -137,7 +149,7 @@ def test_a_hit_served_from_vllms_own_cache_is_reported_as_local():
     publish(store, PROMPT[:64])
     side = consumer(store)
     req = request(PROMPT)
-    assert side.get_num_new_matched_tokens(req, 64) == (0, False)
+    assert lookup(side, req, 64) == (0, False)
     allocate(side, req, 0)
     details = side.request_finished(req)[1]["kvtool"]
     assert (details["local_hit_tokens"], details["external_hit_tokens"]) == (64, 0)
@@ -148,7 +160,37 @@ def test_a_hit_the_scheduler_does_not_take_is_not_reported():
     publish(store, PROMPT)
     side = consumer(store)
     req = request(PROMPT + [5])
-    assert side.get_num_new_matched_tokens(req, 0) == (85, False)
+    assert lookup(side, req) == (85, True)
     allocate(side, req, 0)  # e.g. a request that skips the prefix cache
     details = side.request_finished(req)[1]["kvtool"]
     assert details["external_hit_tokens"] == 0 and details["lookup"] == "hit not taken by the scheduler"
+
+
+def test_the_allocation_vllm_repeats_when_a_loaded_request_is_scheduled_changes_nothing():
+    store = ScriptedStore()
+    publish(store, PROMPT)
+    side = consumer(store)
+    req = request(PROMPT + [1, 2, 3])
+    assert lookup(side, req) == (85, True)  # load_kv_async: the request waits for its load
+    allocate(side, req, 85)
+    assert len(side.build_connector_meta(EMPTY_STEP).loads) == 1
+    allocate(side, req, 0)  # the load ended; vLLM schedules the request and tells the connector again
+    assert side.build_connector_meta(EMPTY_STEP).loads == []
+    details = side.request_finished(req)[1]["kvtool"]
+    assert (details["lookup"], details["external_hit_tokens"]) == ("hit", 85)
+
+
+def test_after_a_failed_load_the_request_is_recomputed_not_looked_up_again():
+    from connector.data import KVToolWorkerMeta
+
+    store = ScriptedStore()
+    publish(store, PROMPT)
+    side = consumer(store)
+    req = request(PROMPT + [1])
+    assert lookup(side, req) == (85, True)
+    allocate(side, req, 85)
+    side.record_load_failures(KVToolWorkerMeta({"r1": (0, "checksum")}))
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)  # vLLM's retry: no second load
+    allocate(side, req, 0)
+    details = side.request_finished(req)[1]["kvtool"]
+    assert (details["external_hit_tokens"], details["lookup"]) == (0, "load failed: checksum")

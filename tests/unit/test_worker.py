@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from connector.config import load_config
 from connector.data import BlockTransfer, KVToolMetadata, RequestLoad, RequestSave
 from connector.hashing import RequestIdentity
 from connector.keys import KeyKind, Namespace, decode_key
@@ -14,7 +15,9 @@ from connector.store import PutOutcome
 from connector.watermarks import SaveState, WatermarkRecord
 from connector.worker import WorkerSide
 
-from .scripted_store import ScriptedStore
+from .scripted_store import InlineCalls, ScriptedStore
+
+CONFIG = load_config({"master_server_address": "127.0.0.1:1"})
 
 NUM_BLOCKS, BLOCK = 8, 32
 LAYERS = ["model.layers.0.attn", "model.layers.1.attn"]
@@ -30,7 +33,7 @@ def kv_caches(fill: str):
 
 
 def worker(store, caches, saves=True):
-    side = WorkerSide(NS, store, saves_enabled=saves)
+    side = WorkerSide(NS, store, CONFIG, saves_enabled=saves, load_calls=InlineCalls())
     side.register_kv_caches(caches, LAYERS, NUM_BLOCKS)
     return side
 
@@ -77,7 +80,7 @@ def test_whole_blocks_round_trip_into_other_blocks():
     target = kv_caches("zeros")
     loader = worker(store, target, saves=False)
     loader.start_load_kv(KVToolMetadata(loads=[RequestLoad("req-2", transfers((0, 6, 7)))]))
-    assert loader.get_block_ids_with_load_errors() == set()
+    assert loader.get_finished() == ({"req-2"}, set())
     for name in LAYERS:
         for src, dst in [(3, 0), (5, 6), (1, 7)]:
             assert torch.equal(source[name][src], target[name][dst])
@@ -115,8 +118,10 @@ def test_a_failed_block_put_stops_the_watermark_before_it():
     store.put_outcome_for = lambda key: PutOutcome.FAILED if "/b/64/" in key else PutOutcome.STORED
     save(store, kv_caches("random"))
     final = records(store)[1]
-    # The tail was stored, but without block 1 it is not loadable: neither offset moves past 32.
+    # The save stops at its first failed put: the tail, unloadable without block 1, is not sent.
     assert (final.state, final.durable_offset, final.tail_durable) == (SaveState.FAILED, 32, False)
+    assert not any("/t/" in key for key in store.objects)
+    assert "block put ending at token 64: failed" == final.reason
 
 
 def corrupt(store, marker, mutate):
@@ -133,31 +138,32 @@ def corrupt(store, marker, mutate):
     ],
     ids=["flipped", "truncated", "foreign-namespace"],
 )
-def test_a_bad_object_is_a_load_error_for_its_block_and_every_later_one(mutate):
+def test_a_bad_object_fails_the_whole_load_and_writes_nothing(mutate):
     store, source = ScriptedStore(), kv_caches("random")
     save(store, source)
     corrupt(store, "/b/64/", mutate)
     target = kv_caches("zeros")
     loader = worker(store, target, saves=False)
     loader.start_load_kv(KVToolMetadata(loads=[RequestLoad("req-2", transfers((0, 6, 7)))]))
-    assert loader.get_block_ids_with_load_errors() == {6, 7}
-    assert torch.equal(source[LAYERS[0]][3], target[LAYERS[0]][0])  # the good first block loaded
+    # A failed receive: vLLM drops the whole external hit and recomputes it; nothing was copied in.
+    assert loader.get_finished() == ({"req-2"}, {"req-2"})
+    assert all(not target[name].any() for name in LAYERS)
     (failure,) = loader.take_load_failures().load_failures.items()
-    assert failure[0] == "req-2" and failure[1][0] == 32  # recomputed from token 32
-    assert loader.get_block_ids_with_load_errors() == set()  # reported once
+    assert failure[0] == "req-2" and failure[1][0] == 0  # recomputed from the load's first token
+    assert loader.get_finished() == (set(), set())  # reported once
 
 
-def test_a_store_error_on_load_invalidates_every_block_of_the_request():
+def test_a_store_error_on_load_fails_the_request():
     store = ScriptedStore()
     save(store, kv_caches("random"))
     store.fail_get = True
     loader = worker(store, kv_caches("zeros"), saves=False)
     loader.start_load_kv(KVToolMetadata(loads=[RequestLoad("req-2", transfers((0, 6, 7)))]))
-    assert loader.get_block_ids_with_load_errors() == {0, 6, 7}
+    assert loader.get_finished() == ({"req-2"}, {"req-2"})
     assert loader.take_stats()["load_failures_store_error"] == 1
 
 
-def test_a_worker_without_a_store_reports_planned_loads_as_errors():
-    side = WorkerSide(NS, None, saves_enabled=False)
+def test_a_worker_without_a_store_fails_planned_loads():
+    side = WorkerSide(NS, None, CONFIG, saves_enabled=False)
     side.start_load_kv(KVToolMetadata(loads=[RequestLoad("req-2", transfers((0, 6, 7)))]))
-    assert side.get_block_ids_with_load_errors() == {0, 6, 7}
+    assert side.get_finished() == ({"req-2"}, {"req-2"})

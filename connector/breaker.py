@@ -1,0 +1,146 @@
+"""A circuit breaker around the store: after repeated failures, calls are skipped for a back-off.
+
+``CircuitBreaker`` is pure (the clock is injected). ``GuardedStore`` wraps any ``KVStore``: while the
+breaker is open every call fails at once with ``StoreError`` (a miss, no time spent), and each
+outcome of a call that did run is recorded. After the back-off one call is let through (half-open):
+success closes the breaker, failure opens it again with a doubled back-off.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from .calls import StoreBusy, StoreError, StoreTimeout
+from .store import KVStore, PutOutcome
+
+logger = logging.getLogger("vllm.kvtool")
+
+
+@dataclass(frozen=True)
+class BreakerPolicy:
+    failures_to_open: int = 3  # consecutive failed calls that open the breaker
+    backoff_s: float = 1.0  # first back-off; doubles on each failed trial
+    max_backoff_s: float = 30.0
+
+
+class CircuitBreaker:
+    """Closed -> (``failures_to_open`` failures in a row, or one hung call) -> open for a back-off -> one trial call."""
+
+    def __init__(self, policy: BreakerPolicy = BreakerPolicy(), clock: Callable[[], float] = time.monotonic):
+        self._policy = policy
+        self._clock = clock
+        self._failures = 0
+        self._open_until: float | None = None
+        self._backoff = policy.backoff_s
+        self._trial = False  # a call is out after the back-off; others still skip
+        self._lock = threading.Lock()
+        self.opened = 0  # times it opened (a metric)
+
+    @property
+    def is_open(self) -> bool:
+        with self._lock:
+            return self._open_until is not None and (self._trial or self._clock() < self._open_until)
+
+    def allow(self) -> bool:
+        """Whether a call may run now. After the back-off, exactly one trial call is allowed."""
+        with self._lock:
+            if self._open_until is None:
+                return True
+            if self._trial or self._clock() < self._open_until:
+                return False
+            self._trial = True
+            return True
+
+    def record_success(self) -> bool:
+        """Record a call that worked; True when it closed an open breaker."""
+        with self._lock:
+            was_open = self._open_until is not None
+            self._failures = 0
+            self._open_until = None
+            self._trial = False
+            self._backoff = self._policy.backoff_s
+            return was_open
+
+    def record_failure(self, *, hung: bool = False) -> bool:
+        """Record a failed call; True when this failure opened the breaker.
+
+        ``hung`` (a time-out, or no free call slot) opens it at once: every later call would wait too."""
+        with self._lock:
+            if self._open_until is not None:
+                if not self._trial:
+                    return False  # a call started before it opened; already counted
+                # The trial failed: open again for twice as long.
+                self._backoff = min(self._backoff * 2, self._policy.max_backoff_s)
+                self._open_until = self._clock() + self._backoff
+                self._trial = False
+                self.opened += 1
+                return True
+            self._failures += 1
+            if self._failures < self._policy.failures_to_open and not hung:
+                return False
+            self._open_until = self._clock() + self._backoff
+            self.opened += 1
+            return True
+
+    def seconds_left(self) -> float:
+        with self._lock:
+            return max(0.0, self._open_until - self._clock()) if self._open_until is not None else 0.0
+
+
+class GuardedStore:
+    """A ``KVStore`` whose calls go through a circuit breaker; counts what it skipped and why."""
+
+    def __init__(self, store: KVStore, breaker: CircuitBreaker, name: str):
+        self._store = store
+        self.breaker = breaker
+        self._name = name
+        self.stats: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def _count(self, name: str) -> None:
+        with self._lock:
+            self.stats[name] += 1
+
+    def take_stats(self) -> dict[str, int]:
+        with self._lock:
+            taken, self.stats = dict(self.stats), Counter()
+        return taken
+
+    def _run(self, what: str, fn):
+        if not self.breaker.allow():
+            self._count(f"breaker_skipped_{what}")
+            raise StoreError(f"the store is failing; {what} skipped for {self.breaker.seconds_left():.1f} s more")
+        try:
+            result = fn()
+        except StoreError as exc:
+            self._count(f"store_errors_{what}")
+            if self.breaker.record_failure(hung=isinstance(exc, StoreTimeout | StoreBusy)):
+                self._count("breaker_opened")
+                logger.warning(
+                    "kvtool: %s: the store failed %s (%s); skipping store calls for %.1f s",
+                    self._name,
+                    what,
+                    exc,
+                    self.breaker.seconds_left(),
+                )
+            raise
+        if self.breaker.record_success():
+            logger.warning("kvtool: %s: the store answers again; store calls resume", self._name)
+        return result
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        return self._run("exists", lambda: self._store.exists(keys))
+
+    def get(self, keys: Sequence[str], object_bytes: int = 0) -> list[bytes | None]:
+        return self._run("get", lambda: self._store.get(keys, object_bytes))
+
+    def put(self, key: str, value: bytes) -> PutOutcome:
+        return self._run("put", lambda: self._store.put(key, value))
+
+    def close(self) -> None:
+        self._store.close()

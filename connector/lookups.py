@@ -1,0 +1,115 @@
+"""Asynchronous, batched lookups: the scheduler never waits on the store.
+
+The scheduler asks for a request's stored prefix with ``want``; at the end of its step it calls
+``flush``, which sends every prompt asked for since the last batch as one background job (at most two
+existence queries in all, ``prefix.find_stored_prefixes``). Until the job answers, ``poll`` returns
+None and vLLM retries the request on a later step (``get_num_new_matched_tokens`` returns None). A
+lookup that has not answered within its time-out is a miss (a ``StoreError``); its job may still be
+stuck in the store client, so at most one job runs at a time and later requests wait for the next
+batch instead of piling up threads.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .calls import BoundedCalls, StoreError
+from .prefix import ExistsFn, PromptKeys, StoredPrefix, find_stored_prefixes
+
+Outcome = StoredPrefix | StoreError
+
+
+@dataclass
+class _Pending:
+    keys: PromptKeys
+    asked_at: float
+    job: concurrent.futures.Future | None = None
+    outcome: Outcome | None = None
+
+
+@dataclass
+class _Job:
+    future: concurrent.futures.Future
+    req_ids: list[str] = field(default_factory=list)
+
+
+class LookupBatcher:
+    def __init__(
+        self,
+        exists: ExistsFn,
+        timeout_s: float,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        calls: BoundedCalls | None = None,
+    ):
+        self._exists = exists
+        self._timeout_s = timeout_s
+        self._clock = clock
+        self._calls = calls or BoundedCalls("kvtool-lookup", limit=1)
+        self._requests: dict[str, _Pending] = {}
+        self._job: _Job | None = None
+        self.batches = 0  # jobs sent (a metric)
+        self.timeouts = 0
+
+    def want(self, req_id: str, keys: PromptKeys) -> None:
+        """Ask for ``req_id``'s stored prefix (no-op while one is asked for or answered)."""
+        if req_id not in self._requests:
+            self._requests[req_id] = _Pending(keys, self._clock())
+
+    def poll(self, req_id: str) -> Outcome | None:
+        """The lookup's outcome, or None while it is in flight (or not yet sent)."""
+        pending = self._requests.get(req_id)
+        if pending is None:
+            return None
+        self._collect()
+        if pending.outcome is None and self._clock() - pending.asked_at > self._timeout_s:
+            self.timeouts += 1
+            pending.outcome = StoreError(f"lookup timed out after {self._timeout_s:.3g} s")
+        return pending.outcome
+
+    def forget(self, req_id: str) -> None:
+        self._requests.pop(req_id, None)
+
+    def flush(self) -> None:
+        """Send every waiting prompt as one job, unless a job is still out (they go with the next)."""
+        self._collect()
+        if self._job is not None:
+            return
+        waiting = [(rid, p) for rid, p in self._requests.items() if p.job is None and p.outcome is None]
+        if not waiting:
+            return
+        prompts = [p.keys for _, p in waiting]
+        try:
+            future = self._calls.submit(lambda: find_stored_prefixes(prompts, self._exists), "lookup")
+        except StoreError as exc:
+            for _, pending in waiting:
+                pending.outcome = exc
+            return
+        self.batches += 1
+        self._job = _Job(future, [rid for rid, _ in waiting])
+        for _, pending in waiting:
+            pending.job = future
+        self._collect()  # a synchronous executor (tests) has answered already
+
+    def _collect(self) -> None:
+        job = self._job
+        if job is None or not job.future.done():
+            return
+        self._job = None
+        try:
+            outcomes: list[Outcome] = list(job.future.result())
+        except StoreError as exc:
+            outcomes = [exc] * len(job.req_ids)
+        except Exception as exc:  # noqa: BLE001 - any failure of a lookup is a miss
+            outcomes = [StoreError(f"lookup failed: {exc}")] * len(job.req_ids)
+        for req_id, outcome in zip(job.req_ids, outcomes, strict=True):
+            pending = self._requests.get(req_id)
+            if pending is not None and pending.outcome is None:
+                pending.outcome = outcome
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._requests)

@@ -1,0 +1,216 @@
+"""Saves in the background, in bounded memory, each stopping at its first failed put.
+
+The worker copies a save's blocks into host memory in the step that computed them (so preemption or
+block reuse cannot change what is stored) and hands them here. Host copies waiting to be put are
+capped by a byte budget: a save that does not fit keeps only the leading objects that do (a prefix is
+still a valid prefix), and one that fits nothing is dropped; either way it is counted and the engine
+never waits. One thread puts the saves in order: first the pending watermark record, then one
+existence query for the save's objects (objects already stored are not sent again), then the puts,
+in prompt order, stopping at the first that fails (what follows a failed block could never be loaded,
+so storing it would only evict useful objects), then the final watermark record.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from .calls import StoreError
+from .data import RequestSave
+from .keys import KeyKind
+from .store import KVStore, PutOutcome
+from .watermarks import SEQ_FINAL, SEQ_PENDING, ObjectProgress, WatermarkRecord, watermark
+
+logger = logging.getLogger("vllm.kvtool")
+
+SKIPPED = "skipped_after_failure"  # not tried: an earlier put of the save failed
+DROPPED_BUDGET = "dropped_budget"  # not copied: the save budget was full
+DROPPED_SHUTDOWN = "dropped_shutdown"  # not tried: the engine shut down first
+
+
+@dataclass(frozen=True)
+class ObjectCopy:
+    """One object of a save, copied and encoded, waiting for its put."""
+
+    transfer_number: int  # index in the save's transfers
+    key: str
+    value: bytes
+
+
+class SaveJob:
+    """One request's save: its objects' progress in prompt order (full blocks, then the tail)."""
+
+    def __init__(self, save: RequestSave, copies: list[ObjectCopy], watermark_key: Callable[[int], str]):
+        self.save = save
+        self.copies = copies
+        self.watermark_key = watermark_key
+        self.objects = [ObjectProgress(o.kind, o.token_start, o.token_end, "present") for o in save.already_stored]
+        self._index: list[int] = []
+        copied = {c.transfer_number for c in copies}
+        for number, transfer in enumerate(save.transfers):
+            self._index.append(len(self.objects))
+            outcome = "pending" if number in copied else DROPPED_BUDGET
+            self.objects.append(ObjectProgress(transfer.kind, transfer.token_start, transfer.token_end, outcome))
+        order = sorted(
+            range(len(self.objects)), key=lambda i: (self.objects[i].kind is KeyKind.TAIL, self.objects[i].token_start)
+        )
+        position = {old: new for new, old in enumerate(order)}
+        self.objects = [self.objects[i] for i in order]
+        self._index = [position[i] for i in self._index]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(c.value) for c in self.copies)
+
+    def record(self) -> WatermarkRecord:
+        save = self.save
+        return watermark(
+            save.req_id, save.tag, save.prompt_tokens, self.objects, time.time(), save.last_block_key, save.tail_key
+        )
+
+    def settle(self, transfer_number: int, outcome: str) -> None:
+        index = self._index[transfer_number]
+        self.objects[index] = replace(self.objects[index], outcome=outcome)
+
+    def in_put_order(self) -> list[ObjectCopy]:
+        """Copies in the order the watermark reads them (blocks by position, then the tail)."""
+        return sorted(self.copies, key=lambda c: self._index[c.transfer_number])
+
+
+class Saver:
+    def __init__(self, store: KVStore, *, budget_bytes: int, drain_timeout_s: float):
+        self._store = store
+        self._budget = budget_bytes
+        self._drain_timeout_s = drain_timeout_s
+        self._queue: queue.Queue[SaveJob | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self._held = 0  # bytes of host copies admitted and not yet put
+        self._stop_by: float | None = None  # after this, the put thread drops what is left
+        self.stats: Counter[str] = Counter()
+        self._warned: set[str] = set()
+        self._thread = threading.Thread(target=self._loop, name="kvtool-put", daemon=True)
+        self._thread.start()
+
+    # -- admission (engine thread) ------------------------------------------------------------------
+
+    def admit(self, num_objects: int, object_bytes: int) -> int:
+        """How many leading objects of a save fit the budget now; reserves their bytes."""
+        with self._lock:
+            fits = min(num_objects, max(0, self._budget - self._held) // object_bytes)
+            self._held += fits * object_bytes
+        if fits < num_objects:
+            self._count("save_objects_dropped_budget", num_objects - fits)
+            if fits == 0:
+                self._count("saves_dropped_budget")
+            self._warn_once(
+                "budget",
+                f"kvtool: save budget of {self._budget} bytes is full (the store is slow or down); "
+                "dropping objects of saves until it drains",
+            )
+        return fits
+
+    def submit(self, job: SaveJob, reserved_bytes: int) -> None:
+        """Queue a save whose copies were admitted; ``reserved_bytes`` is what ``admit`` reserved."""
+        with self._lock:
+            self._held += job.nbytes - reserved_bytes  # settle the estimate to the real size
+        self._queue.put(job)
+
+    @property
+    def held_bytes(self) -> int:
+        with self._lock:
+            return self._held
+
+    # -- the put thread -----------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            self._run(job)
+
+    def _run(self, job: SaveJob) -> None:
+        self._put_record(job, SEQ_PENDING)
+        copies = job.in_put_order()
+        present = self._present([c.key for c in copies])
+        failed = False
+        for copy, found in zip(copies, present, strict=True):
+            if self._stopping():
+                outcome = DROPPED_SHUTDOWN
+            elif failed:
+                outcome = SKIPPED
+            elif found:
+                outcome = "present"
+            else:
+                outcome = self._put(copy.key, copy.value).value
+                if outcome == PutOutcome.STORED.value:
+                    self._count("bytes_saved", len(copy.value))
+                failed = outcome != PutOutcome.STORED.value
+            job.settle(copy.transfer_number, outcome)
+            self._count(f"saves_{outcome}")
+            with self._lock:
+                self._held -= len(copy.value)
+        job.copies = []
+        self._put_record(job, SEQ_FINAL)
+
+    def _present(self, keys: list[str]) -> list[bool]:
+        try:
+            return self._store.exists(keys) if keys else []
+        except StoreError:
+            return [False] * len(keys)  # a put of a present key is a no-op
+
+    def _put_record(self, job: SaveJob, seq: int) -> None:
+        if self._stopping():
+            return
+        outcome = self._put(job.watermark_key(seq), job.record().encode())
+        self._count(f"watermarks_{outcome.value}")
+
+    def _put(self, key: str, value: bytes) -> PutOutcome:
+        try:
+            outcome = self._store.put(key, value)
+        except StoreError as exc:
+            self._warn_once("put", f"kvtool: put failed, that prefix stays a miss: {exc}")
+            return PutOutcome.FAILED
+        if outcome is PutOutcome.NO_SPACE:
+            self._warn_once("no-space", "kvtool: the store is full; puts are dropped until it evicts")
+        return outcome
+
+    def _stopping(self) -> bool:
+        return self._stop_by is not None and time.monotonic() > self._stop_by
+
+    # -- helpers ------------------------------------------------------------------------------------
+
+    def _count(self, name: str, amount: int = 1) -> None:
+        with self._lock:
+            self.stats[name] += amount
+
+    def take_stats(self) -> dict[str, int]:
+        with self._lock:
+            taken, self.stats = dict(self.stats), Counter()
+        return taken
+
+    def _warn_once(self, topic: str, message: str) -> None:
+        if topic not in self._warned:
+            self._warned.add(topic)
+            logger.warning(message)
+
+    def shutdown(self, timeout_s: float | None = None) -> None:
+        """Let queued saves finish for at most the drain time-out, then drop the rest (logged)."""
+        limit = self._drain_timeout_s if timeout_s is None else timeout_s
+        self._stop_by = time.monotonic() + limit
+        self._queue.put(None)
+        self._thread.join(timeout=limit + 1.0)
+        left = self.held_bytes
+        dropped = self.stats.get(f"saves_{DROPPED_SHUTDOWN}", 0)
+        if self._thread.is_alive() or dropped:
+            logger.warning(
+                "kvtool: shutdown after %.3g s of draining saves: %d objects dropped, %d bytes not put",
+                limit,
+                dropped,
+                left,
+            )

@@ -1,0 +1,154 @@
+"""A `kv_both` engine whose load fails never publishes KV it did not compute correctly.
+
+The engine loads a stored prefix, the load fails (a flipped byte), and the engine recomputes. Every
+object it then stores for that prompt must equal, byte for byte, what a clean producer computes for
+the same tokens, and a consumer that loads them must answer as a recomputation does. Before loads
+were asynchronous, the save was planned before the load ran, and the blocks computed on top of the
+unloaded one were published under the prompt's keys: every later consumer read wrong KV.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from connector.config import load_config
+from connector.hashing import RequestIdentity
+from connector.objects import HEADER_SIZE
+from connector.prefix import PromptKeys, plan_save
+from connector.store import MooncakeStore
+from kvtool.client import complete
+from kvtool.procs import find_free_port, log_tail
+
+from .pairtools import consume, produce, prompt, wait_save_ended
+
+pytestmark = pytest.mark.e2e
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+STARTUP_TIMEOUT_S = 300.0
+
+
+@pytest.fixture(scope="module")
+def both_engine(pair, tmp_path_factory) -> Iterator[dict]:
+    """One `kv_both` engine beside the session pair, on the pair's store, with a fault plan of its own."""
+    workdir = tmp_path_factory.mktemp("kv-both")
+    faults = workdir / "faults.json"
+    port = find_free_port()
+    extra = {
+        "master_server_address": pair["master"],
+        "metadata_server": "P2PHANDSHAKE",
+        "protocol": "tcp",
+        "local_hostname": "127.0.0.1",
+        "global_segment_size": 0,  # lends no memory: its exit must not take stored objects along
+        "local_buffer_size": 64 << 20,
+        "hash_unit": 1,
+        "fault_control_file": str(faults),
+    }
+    transfer = {
+        "kv_connector": "KVToolConnector",
+        "kv_connector_module_path": "connector.connector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra,
+    }
+    argv = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", pair["model"], "--host", "127.0.0.1", "--port", str(port),
+        "--block-size", str(pair["block_size"]), "--max-model-len", "2048", "--dtype", "float32",
+        "--gpu-memory-utilization", "0.2", "--enable-prompt-tokens-details",
+        "--kv-transfer-config", json.dumps(transfer),
+    ]  # fmt: skip
+    env = {
+        **os.environ,
+        "VLLM_HOST_IP": "127.0.0.1",
+        "MC_TCP_BIND_ADDRESS": "127.0.0.1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "PYTHONPATH": str(REPO_ROOT),
+    }
+    env.pop("KVTOOL_FAULT_CONTROL_FILE", None)
+    env.pop("MOONCAKE_CONFIG_PATH", None)
+    log_path = workdir / "kv-both.log"
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env, start_new_session=True
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            if process.poll() is not None:
+                pytest.fail(f"the kv_both engine exited with {process.returncode}:\n{log_tail(log_path, 30)}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(
+                    f"the kv_both engine was not healthy in {STARTUP_TIMEOUT_S:.0f} s:\n{log_tail(log_path, 30)}"
+                )
+            time.sleep(1)
+        yield {"url": url, "faults": faults, "log": log_path}
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait(timeout=10)
+
+
+def payloads(pair: dict, tokens: list[int], namespace: str, salt: str | None) -> list[bytes | None]:
+    """The payload (the KV bytes, without the header) of every object of ``tokens``' save."""
+    keys = PromptKeys.build(tokens, pair["block_size"], 1, namespace, RequestIdentity(cache_salt=salt).root_hash())
+    store = MooncakeStore(load_config({"master_server_address": pair["master"], "global_segment_size": 0}))
+    try:
+        values = store.get([s.key for s in plan_save(keys)])
+    finally:
+        store.close()
+    return [value[HEADER_SIZE:] if value else None for value in values]
+
+
+def test_a_failed_load_on_a_kv_both_engine_publishes_only_recomputed_kv(pair, both_engine):
+    block = pair["block_size"]
+    shorter = prompt(800, block + 8)  # one block and a tail, stored by the producer
+    produced = produce(pair, shorter)
+    full = shorter + prompt(801, 2 * block - 8)  # three whole blocks: every object is a full block
+
+    both_engine["faults"].write_text(json.dumps({"corrupt_get": "flip"}))
+    try:
+        answer = complete(both_engine["url"], pair["model"], full, max_tokens=1)
+    finally:
+        both_engine["faults"].unlink()
+    details = answer["kv_transfer_params"]["kvtool"]
+    assert details["stored_prefix_tokens"] == len(shorter), details
+    assert details["external_hit_tokens"] == 0 and details["load_failure"] == "checksum", details
+    assert details["save_objects"] >= 2, details  # blocks 1 and 2 were its to store
+    wait_save_ended(pair, details)
+
+    # A clean producer's bytes for the same tokens, under another salt (other keys, the same KV).
+    reference = complete(pair["producer"], pair["model"], full, max_tokens=1, extra={"cache_salt": "clean"})
+    wait_save_ended(pair, reference["kv_transfer_params"]["kvtool"])
+    namespace = produced["namespace"]
+    stored = payloads(pair, full, namespace, None)
+    expected = payloads(pair, full, namespace, "clean")
+    assert all(value is not None for value in stored + expected)
+    for index, (got, want) in enumerate(zip(stored, expected, strict=True)):
+        assert got == want, f"object {index} of the prompt differs from a clean producer's"
+
+    # And a consumer that loads them answers as a recomputation does (consume() checks it).
+    hit, _ = consume(pair, full + prompt(802, 5))
+    assert hit["external_hit_tokens"] == len(full), hit

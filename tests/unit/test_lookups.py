@@ -1,0 +1,107 @@
+"""Asynchronous lookups: one batch a step for every new request, never waited on, a miss past the time-out."""
+
+from __future__ import annotations
+
+import threading
+
+from connector.calls import BoundedCalls, StoreError
+from connector.hashing import RequestIdentity
+from connector.lookups import LookupBatcher
+from connector.prefix import PromptKeys, find_stored_prefix, plan_save
+
+from .scripted_store import InlineCalls, ScriptedStore
+
+ROOT = RequestIdentity().root_hash()
+
+
+def keys(tokens):
+    return PromptKeys.build(tokens, 32, 1, "ns", ROOT)
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+class CountingStore(ScriptedStore):
+    def __init__(self):
+        super().__init__()
+        self.queries = 0
+
+    def exists(self, keys):
+        self.queries += 1
+        return super().exists(keys)
+
+
+def publish(store, tokens):
+    for save in plan_save(keys(tokens)):
+        store.objects[save.key] = b"x"
+
+
+def test_every_request_of_a_step_goes_out_in_one_batch_of_at_most_two_queries():
+    store = CountingStore()
+    prompts = {f"r{i}": list(range(i * 1000, i * 1000 + 20 + 17 * i)) for i in range(6)}
+    publish(store, prompts["r1"])
+    publish(store, prompts["r4"][:40])  # r4 hits a stored shorter prompt: the second query
+    batcher = LookupBatcher(store.exists, 2.0, calls=InlineCalls())
+    for req_id, tokens in prompts.items():
+        batcher.want(req_id, keys(tokens))
+        assert batcher.poll(req_id) is None  # not sent yet: vLLM retries next step
+    batcher.flush()
+    assert store.queries == 2 and batcher.batches == 1
+    for req_id, tokens in prompts.items():
+        assert batcher.poll(req_id) == find_stored_prefix(keys(tokens), store.exists)
+    assert batcher.poll("r1").tokens == len(prompts["r1"]) and batcher.poll("r4").tokens == 40
+
+
+def test_a_lookup_that_does_not_answer_in_time_is_a_miss_and_later_requests_wait_for_the_next_batch():
+    release = threading.Event()
+    store = ScriptedStore()
+    clock = Clock()
+    calls = BoundedCalls("test-lookup", limit=1)
+
+    def hanging_exists(query):
+        release.wait()
+        return store.exists(query)
+
+    batcher = LookupBatcher(hanging_exists, 2.0, clock=clock, calls=calls)
+    try:
+        batcher.want("a", keys(range(50)))
+        batcher.flush()
+        assert batcher.poll("a") is None  # in flight: the scheduler is not held
+        batcher.want("b", keys(range(60)))
+        batcher.flush()  # a job is still out: b waits for the next batch, no second thread
+        assert calls.in_flight == 1
+        clock.now += 2.5
+        assert isinstance(batcher.poll("a"), StoreError) and batcher.timeouts == 1
+        assert isinstance(batcher.poll("b"), StoreError)  # b too has waited past its time-out
+        release.set()
+    finally:
+        release.set()
+        calls.shutdown()
+
+
+def test_a_failing_store_answers_every_request_of_the_batch_with_the_error():
+    store = ScriptedStore()
+    store.fail_exists = True
+    batcher = LookupBatcher(store.exists, 2.0, calls=InlineCalls())
+    batcher.want("a", keys(range(50)))
+    batcher.want("b", keys(range(70)))
+    batcher.flush()
+    assert isinstance(batcher.poll("a"), StoreError) and isinstance(batcher.poll("b"), StoreError)
+
+
+def test_a_forgotten_request_is_asked_afresh():
+    store = ScriptedStore()
+    batcher = LookupBatcher(store.exists, 2.0, calls=InlineCalls())
+    batcher.want("a", keys(range(50)))
+    batcher.flush()
+    assert batcher.poll("a").tokens == 0
+    publish(store, list(range(50)))
+    batcher.forget("a")
+    batcher.want("a", keys(range(50)))
+    batcher.flush()
+    assert batcher.poll("a").tokens == 50

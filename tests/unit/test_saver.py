@@ -1,0 +1,200 @@
+"""Saves in bounded memory that stop at their first failed put, and loads that never hold the engine."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from connector.calls import BoundedCalls
+from connector.config import load_config
+from connector.data import BlockTransfer, KVToolMetadata, RequestLoad, RequestSave
+from connector.hashing import RequestIdentity
+from connector.keys import KeyKind, Namespace
+from connector.objects import HEADER_SIZE
+from connector.prefix import PromptKeys, plan_save
+from connector.store import PutOutcome
+from connector.watermarks import SaveState
+from connector.worker import WorkerSide
+
+from .scripted_store import InlineCalls, ScriptedStore
+from .test_worker import LAYERS, NS, NUM_BLOCKS, kv_caches, records
+
+BLOCK_BYTES = 2 * 2 * 32 * 128 * 4  # two layers of [2, 32, 128] float32
+
+
+def config(**fields):
+    return load_config({"master_server_address": "127.0.0.1:1", **fields})
+
+
+def prompt_save(req_id, first_token, length, block_ids):
+    keys = PromptKeys.build(list(range(first_token, first_token + length)), 32, 1, NS.key_component(), b"\0" * 16)
+    transfers = tuple(
+        BlockTransfer(block_ids[s.block_index], s.kind, s.token_start, s.token_end, s.chain_hash)
+        for s in plan_save(keys)
+    )
+    return RequestSave(req_id, transfers, prompt_tokens=length)
+
+
+class HeldStore(ScriptedStore):
+    """Puts wait until released: a slow store, so that saves queue up."""
+
+    def __init__(self):
+        super().__init__()
+        self.release = threading.Event()
+
+    def put(self, key, value):
+        self.release.wait()
+        return super().put(key, value)
+
+
+def test_saves_beyond_the_budget_are_dropped_and_counted_and_the_engine_never_waits():
+    store = HeldStore()
+    budget = 3 * (HEADER_SIZE + BLOCK_BYTES)  # three objects
+    side = WorkerSide(NS, store, config(save_buffer_bytes=budget), saves_enabled=True)
+    side.register_kv_caches(kv_caches("random"), LAYERS, NUM_BLOCKS)
+    # 85 tokens: 3 objects (two blocks, a tail). Then 100 tokens: 4 objects, of which none fits.
+    side.wait_for_save(KVToolMetadata(saves=[prompt_save("a", 0, 85, [1, 2, 3])]))
+    side.wait_for_save(KVToolMetadata(saves=[prompt_save("b", 1000, 100, [4, 5, 6, 7])]))
+    assert side._saver.held_bytes == budget  # never more than the budget
+    store.release.set()
+    side.shutdown()
+    stats = side.take_stats()
+    assert stats["saves_dropped_budget"] == 1 and stats["save_objects_dropped_budget"] == 4
+    assert stats["saves_stored"] == 3
+    assert side._saver.held_bytes == 0
+
+
+def test_a_save_that_half_fits_keeps_its_leading_blocks_and_its_watermark_stops_there():
+    store = ScriptedStore()
+    budget = 2 * (HEADER_SIZE + BLOCK_BYTES)
+    side = WorkerSide(NS, store, config(save_buffer_bytes=budget), saves_enabled=True)
+    side.register_kv_caches(kv_caches("random"), LAYERS, NUM_BLOCKS)
+    side.wait_for_save(KVToolMetadata(saves=[prompt_save("a", 0, 85, [1, 2, 3])]))
+    side.shutdown()
+    final = records(store)[1]
+    assert (final.state, final.durable_offset, final.tail_durable) == (SaveState.FAILED, 64, False)
+    assert "dropped_budget" in final.reason
+    assert not any("/t/" in key for key in store.objects)
+
+
+def test_a_save_stops_at_its_first_failed_put():
+    store = ScriptedStore()
+    tried = []
+    store.put_outcome_for = lambda key: (
+        tried.append(key) or (PutOutcome.NO_SPACE if "/b/32/" in key else PutOutcome.STORED)
+    )
+    side = WorkerSide(NS, store, config(), saves_enabled=True)
+    side.register_kv_caches(kv_caches("random"), LAYERS, NUM_BLOCKS)
+    side.wait_for_save(KVToolMetadata(saves=[prompt_save("a", 0, 85, [1, 2, 3])]))
+    side.shutdown()
+    data = [key for key in tried if "/w/" not in key]
+    assert len(data) == 1  # block 0 failed: block 1 and the tail were never sent
+    assert side.take_stats()["saves_skipped_after_failure"] == 2
+    assert records(store)[1].durable_offset == 0
+
+
+def test_objects_already_in_the_store_are_not_sent_again():
+    store = ScriptedStore()
+    side = WorkerSide(NS, store, config(), saves_enabled=True)
+    side.register_kv_caches(kv_caches("random"), LAYERS, NUM_BLOCKS)
+    side.wait_for_save(KVToolMetadata(saves=[prompt_save("a", 0, 85, [1, 2, 3])]))
+    side.wait_for_save(KVToolMetadata(saves=[prompt_save("b", 0, 85, [1, 2, 3])]))
+    side.shutdown()
+    stats = side.take_stats()
+    assert (stats["saves_stored"], stats["saves_present"]) == (3, 3)
+    assert records(store)[1].state is SaveState.DURABLE
+
+
+def test_shutdown_drains_for_its_time_limit_then_drops_and_counts_the_rest():
+    store = HeldStore()
+    side = WorkerSide(NS, store, config(), saves_enabled=True)
+    side.register_kv_caches(kv_caches("random"), LAYERS, NUM_BLOCKS)
+    side.wait_for_save(KVToolMetadata(saves=[prompt_save("a", 0, 85, [1, 2, 3])]))
+    side.wait_for_save(KVToolMetadata(saves=[prompt_save("b", 500, 85, [4, 5, 6])]))
+    side.shutdown(timeout_s=0.0)  # the store is stuck past the drain limit: shutdown returns anyway
+    store.release.set()
+    side._saver._thread.join()
+    stats = side.take_stats()
+    assert stats.get("saves_dropped_shutdown", 0) >= 3  # b's objects at least were never tried
+    assert stats.get("saves_stored", 0) <= 1
+
+
+def test_an_open_breaker_skips_saves_without_copying():
+    class Open:
+        is_open = True
+
+    store = ScriptedStore()
+    store.breaker = Open()
+    side = WorkerSide(NS, store, config(), saves_enabled=True)
+    side.register_kv_caches(kv_caches("random"), LAYERS, NUM_BLOCKS)
+    side.wait_for_save(KVToolMetadata(saves=[prompt_save("a", 0, 85, [1, 2, 3])]))
+    assert side._saver.held_bytes == 0
+    side.shutdown()
+    assert side.take_stats() == {"saves_skipped_breaker": 1}
+    assert store.objects == {}
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_a_load_that_does_not_answer_in_time_fails_its_request_only_and_its_late_answer_is_dropped():
+    release = threading.Event()
+    store = ScriptedStore()
+    source = kv_caches("random")
+    saver = WorkerSide(NS, store, config(), saves_enabled=True)
+    saver.register_kv_caches(source, LAYERS, NUM_BLOCKS)
+    saver.wait_for_save(KVToolMetadata(saves=[prompt_save("a", 0, 85, [1, 2, 3])]))
+    saver.shutdown()
+
+    class SlowStore(ScriptedStore):
+        def get(self, keys, object_bytes=0):
+            release.wait()
+            return store.get(keys, object_bytes)
+
+    clock = Clock()
+    target = kv_caches("zeros")
+    calls = BoundedCalls("test-load", limit=2)
+    side = WorkerSide(NS, SlowStore(), config(load_timeout_s=5), saves_enabled=False, load_calls=calls)
+    side._loader._clock = clock
+    side.register_kv_caches(target, LAYERS, NUM_BLOCKS)
+    load = RequestLoad("late", prompt_save("late", 0, 85, [4, 5, 6]).transfers)
+    try:
+        side.start_load_kv(KVToolMetadata(loads=[load]))
+        assert side.get_finished() == (set(), set())  # in flight: the engine goes on
+        clock.now += 6
+        assert side.get_finished() == ({"late"}, {"late"})
+        release.set()
+        for _ in range(100):
+            if calls.in_flight == 0:
+                break
+            threading.Event().wait(0.05)
+        assert side.get_finished() == (set(), set())
+        assert all(not target[name].any() for name in LAYERS)  # the late answer wrote nothing
+        assert side.take_stats()["load_failures_timeout"] == 1
+    finally:
+        release.set()
+        calls.shutdown()
+
+
+def test_loads_of_one_step_are_all_received_with_their_blocks_in_place():
+    store = ScriptedStore()
+    source = kv_caches("random")
+    saver = WorkerSide(NS, store, config(), saves_enabled=True)
+    saver.register_kv_caches(source, LAYERS, NUM_BLOCKS)
+    saver.wait_for_save(KVToolMetadata(saves=[prompt_save("a", 0, 85, [1, 2, 3])]))
+    saver.shutdown()
+    target = kv_caches("zeros")
+    side = WorkerSide(NS, store, config(), saves_enabled=False, load_calls=InlineCalls())
+    side.register_kv_caches(target, LAYERS, NUM_BLOCKS)
+    side.start_load_kv(KVToolMetadata(loads=[RequestLoad("x", prompt_save("x", 0, 85, [4, 5, 6]).transfers)]))
+    assert side.get_finished() == ({"x"}, set())
+    for name in LAYERS:
+        assert torch.equal(source[name][3], target[name][6])
+    kinds = [t.kind for t in prompt_save("x", 0, 85, [4, 5, 6]).transfers]
+    assert kinds == [KeyKind.BLOCK, KeyKind.BLOCK, KeyKind.TAIL]
