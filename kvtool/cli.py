@@ -80,9 +80,12 @@ ModelSizeFlag = Annotated[str, typer.Option(help="preset generated when --model 
 ProducerPortFlag = Annotated[int, typer.Option(help="producer vLLM server port on 127.0.0.1")]
 ConsumerPortFlag = Annotated[int, typer.Option(help="consumer vLLM server port on 127.0.0.1")]
 MasterPortFlag = Annotated[int, typer.Option(help="RPC port of the mooncake_master kvtool starts")]
-AdminPortFlag = Annotated[int, typer.Option(help="the master's metrics/admin HTTP port")]
+AdminPortFlag = Annotated[
+    int, typer.Option(help="the master's metrics/admin HTTP port (with --master: that master's admin port)")
+]
 MasterFlag = Annotated[
-    str | None, typer.Option(help="HOST:PORT of a running mooncake_master to use instead of starting one")
+    str | None,
+    typer.Option(help="HOST:PORT of a running mooncake_master to use instead of starting one (not supervised)"),
 ]
 StorePortFlag = Annotated[int, typer.Option(help="service port of the standalone store (--store standalone)")]
 BlockSizeFlag = Annotated[int, typer.Option(help="vLLM KV block size in tokens (a multiple of 32 on the CPU)")]
@@ -214,9 +217,11 @@ def serve_pair_command(
 ) -> None:
     """Start a Mooncake master, a producer and a consumer vLLM server on 127.0.0.1 and keep them running.
 
-    Stops everything on Ctrl-C, on SIGTERM or when one process dies (exit 130 for a signal, 1 for a death).
+    A master (or standalone store) that dies or stops answering its health check is killed and started
+    again on the same ports, with back-off. Stops everything on Ctrl-C, on SIGTERM or when an engine
+    dies (exit 130 for a signal, 1 for a death).
     """
-    from kvtool.serve_pair import run_pair
+    from kvtool.launch import run_pair
     from kvtool.smoke import run_smoke
 
     cfg = build_pair_config(

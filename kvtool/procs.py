@@ -72,11 +72,20 @@ def log_tail(path: Path, lines: int = 15) -> str:
         return ""
 
 
-def _die_with_parent() -> None:
+def _load_prctl() -> Callable[..., int] | None:
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        return ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
-        pass  # not Linux: stop_all() is the only guard
+        return None  # not Linux: stop_all() is the only guard
+
+
+# Looked up once here: the forked child (which may fork from a thread) only calls it, no dlopen.
+_prctl = _load_prctl()
+
+
+def _die_with_parent() -> None:
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @dataclass
@@ -97,6 +106,10 @@ class ReadinessCheck:
         return self.http_url or (f"{LOOPBACK}:{self.tcp_port}" if self.tcp_port else "start")
 
 
+class ProcessDied(ServerError):
+    """A process kvtool started died; the message names it and its log."""
+
+
 @dataclass
 class ManagedProcess:
     name: str
@@ -104,6 +117,8 @@ class ManagedProcess:
     log_path: Path
     popen: subprocess.Popen
     readiness: ReadinessCheck = field(default_factory=ReadinessCheck)
+    env: dict[str, str] | None = None  # kept to start it again the same way
+    cwd: Path | None = None
 
     @property
     def pid(self) -> int:
@@ -112,16 +127,22 @@ class ManagedProcess:
     def exit_code(self) -> int | None:
         return self.popen.poll()
 
-    def died_error(self, while_doing: str = "") -> ServerError:
+    def how_it_ended(self) -> str:
         code = self.exit_code()
-        how = (
-            f"was killed by {signal.Signals(-code).name}"
-            if code is not None and code < 0
-            else f"exited with code {code}"
-        )
+        if code is None:
+            return "is still running"
+        if code < 0:
+            try:
+                return f"was killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"was killed by signal {-code}"
+        return f"exited with code {code}"
+
+    def died_error(self, while_doing: str = "") -> ProcessDied:
         when = f" {while_doing}" if while_doing else ""
-        return ServerError(
-            f"{self.name} (pid {self.pid}) {how}{when}; see {self.log_path}", details=log_tail(self.log_path)
+        return ProcessDied(
+            f"{self.name} (pid {self.pid}) {self.how_it_ended()}{when}; see {self.log_path}",
+            details=log_tail(self.log_path),
         )
 
 
@@ -191,15 +212,34 @@ def stop_process(proc: ManagedProcess, grace_s: float = 15.0) -> None:
     _wait_until(all_gone, time.monotonic() + 5.0)
 
 
+def kill_now(proc: ManagedProcess, wait_s: float = 5.0) -> None:
+    """SIGKILL the process's whole group at once (a frozen, SIGSTOPped one too) and reap it."""
+    _signal_group(proc.pid, signal.SIGKILL)
+    try:
+        proc.popen.wait(timeout=wait_s)
+    except subprocess.TimeoutExpired:
+        pass
+    _wait_until(lambda: not _group_alive(proc.pid), time.monotonic() + wait_s)
+
+
 class ProcessSet:
     """The processes of one kvtool run; stop_all() stops them in reverse start order.
 
-    Start processes from the main thread: PR_SET_PDEATHSIG fires when the *thread* that forked exits.
+    Start processes from the main thread, or from a thread that outlives them: PR_SET_PDEATHSIG
+    fires when the *thread* that forked exits. Names in ``supervised`` are restarted by someone
+    else (kvtool.supervise), so first_dead() does not report them.
     """
 
     def __init__(self, log_dir: Path) -> None:
         self.log_dir = log_dir
         self.processes: list[ManagedProcess] = []
+        self.supervised: set[str] = set()
+
+    def pids(self) -> dict[str, int]:
+        return {p.name: p.pid for p in self.processes}
+
+    def get(self, name: str) -> ManagedProcess:
+        return next(p for p in self.processes if p.name == name)
 
     def start(
         self,
@@ -208,6 +248,20 @@ class ProcessSet:
         env: dict[str, str] | None = None,
         readiness: ReadinessCheck | None = None,
         cwd: Path | None = None,
+    ) -> ManagedProcess:
+        proc = self._spawn(name, argv, env, readiness or ReadinessCheck(), cwd)
+        self.processes.append(proc)
+        return proc
+
+    def restart(self, old: ManagedProcess) -> ManagedProcess:
+        """Start ``old`` (already ended) again the same way, in its place in the stop order."""
+        index = self.processes.index(old)
+        proc = self._spawn(old.name, old.argv, old.env, old.readiness, old.cwd)
+        self.processes[index] = proc
+        return proc
+
+    def _spawn(
+        self, name: str, argv: list[str], env: dict[str, str] | None, readiness: ReadinessCheck, cwd: Path | None
     ) -> ManagedProcess:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{name}.log"
@@ -221,18 +275,18 @@ class ProcessSet:
                     env=env,
                     cwd=cwd,
                     start_new_session=True,
-                    preexec_fn=_die_with_parent,  # noqa: PLW1509 (no threads fork here)
+                    preexec_fn=_die_with_parent,  # noqa: PLW1509 (it only calls prctl, looked up before the fork)
                 )
             except FileNotFoundError:
                 raise UserError(
                     f"{argv[0]} was not found; install it (scripts/setup) or put it on PATH", exit_code=1
                 ) from None
-        proc = ManagedProcess(name, argv, log_path, popen, readiness or ReadinessCheck())
-        self.processes.append(proc)
-        return proc
+        return ManagedProcess(name, argv, log_path, popen, readiness, env, cwd)
 
     def first_dead(self) -> ManagedProcess | None:
-        return next((p for p in self.processes if p.exit_code() is not None), None)
+        return next(
+            (p for p in list(self.processes) if p.name not in self.supervised and p.exit_code() is not None), None
+        )
 
     def wait_ready(self, procs: list[ManagedProcess], timeout_s: float, poll_s: float = 0.5) -> None:
         """Wait until every process in procs passes its readiness check, failing fast if one dies."""

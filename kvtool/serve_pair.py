@@ -1,7 +1,7 @@
 """A producer and a consumer vLLM server sharing KV through a loopback Mooncake store.
 
-Pure builders (kv-transfer configs, argv, env, ready-file content) are separate from run_pair(),
-which starts the processes, so tests and the benchmark can reuse the builders.
+Pure builders (kv-transfer configs, argv, env, ready-file content) live here; kvtool.launch starts,
+supervises and stops the processes (run_pair, launched_pair), so tests and the bench reuse both.
 """
 
 from __future__ import annotations
@@ -10,19 +10,17 @@ import importlib.metadata
 import json
 import os
 import shutil
-import signal
 import sys
-import time
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+import threading
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvtool.errors import EXIT_INTERRUPTED, ServerError, UserError
-from kvtool.procs import LOOPBACK, ManagedProcess, ProcessSet, ReadinessCheck, ensure_port_free, tcp_port_open
+from kvtool.errors import UserError
+from kvtool.procs import LOOPBACK, ensure_port_free, tcp_port_open
 
 ConnectorChoice = Literal["kvtool", "vllm-mooncake-store", "none"]
 StoreChoice = Literal["embedded", "standalone"]
@@ -356,15 +354,30 @@ def preflight(cfg: ServePairConfig) -> None:
 # ---- ready file ----------------------------------------------------------------------------
 
 
-def ready_info(cfg: ServePairConfig, pids: dict[str, int], admin_url: str | None) -> dict[str, Any]:
+def admin_url_for(cfg: ServePairConfig) -> str | None:
+    """The master's admin URL: the one kvtool starts, or with --master that host at --admin-port."""
+    if not cfg.uses_mooncake:
+        return None
+    if cfg.external_master is not None:
+        host, _ = _parse_host_port(cfg.external_master, "--master")
+        return f"http://{host}:{cfg.admin_port}"
+    return f"http://{LOOPBACK}:{cfg.admin_port}"
+
+
+def ready_info(
+    cfg: ServePairConfig, pids: dict[str, int], admin_url: str | None, restarts: dict[str, int] | None = None
+) -> dict[str, Any]:
+    """What the ready file holds; rewritten whenever a supervised process gets a new pid."""
     return {
         "producer": cfg.base_url("producer"),
         "consumer": cfg.base_url("consumer"),
         "master": cfg.master_address,
         "admin": admin_url,
+        "master_pid": pids.get("master"),  # None when --master names a master kvtool does not run
         "model": str(cfg.model),
         "block_size": cfg.block_size,
         "hash_unit": cfg.hash_unit,
+        "max_model_len": cfg.max_model_len,
         "connector": cfg.connector,
         "store": cfg.store if cfg.uses_mooncake else None,
         "store_address": f"{LOOPBACK}:{cfg.store_port}" if cfg.starts_store else None,
@@ -373,12 +386,13 @@ def ready_info(cfg: ServePairConfig, pids: dict[str, int], admin_url: str | None
         if cfg.connector == "kvtool"
         else None,
         "pids": pids,
+        "restarts": restarts or {},  # supervised process -> times serve-pair started it again
     }
 
 
 def write_json_atomically(path: Path, content: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    staging = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     staging.write_text(json.dumps(content, indent=2) + "\n")
     os.replace(staging, path)
 
@@ -387,142 +401,16 @@ def default_log_dir() -> Path:
     return Path.cwd() / "logs" / f"serve-pair-{datetime.now():%Y%m%d-%H%M%S}"
 
 
-# ---- running -------------------------------------------------------------------------------
-
-
-class Interrupted(Exception):
-    def __init__(self, signal_name: str) -> None:
-        super().__init__(signal_name)
-        self.signal_name = signal_name
-
-
-@contextmanager
-def signals_raise_interrupted() -> Iterator[None]:
-    """SIGINT and SIGTERM raise Interrupted; the cleanup that follows runs with both ignored."""
-
-    def handler(signum: int, _frame: object) -> None:
-        raise Interrupted(signal.Signals(signum).name)
-
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig in previous:
-            signal.signal(sig, signal.SIG_IGN)
-
-
-def _restore_default_signals() -> None:
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
 Reporter = Callable[[str], None]
 
-
-def start_pair(cfg: ServePairConfig, procs: ProcessSet, say: Reporter) -> dict[str, ManagedProcess]:
-    """Start master, store and both engines (the engines side by side) and wait until all are ready."""
-    started: dict[str, ManagedProcess] = {}
-    if cfg.connector == "vllm-mooncake-store":
-        assert cfg.master_address is not None
-        write_json_atomically(
-            mooncake_config_path(cfg),
-            vllm_mooncake_file_config(cfg.master_address, cfg.engine_segment_bytes, cfg.local_buffer_bytes),
-        )
-    if cfg.starts_master:
-        say(f"starting mooncake_master on {cfg.master_address} (admin http://{LOOPBACK}:{cfg.admin_port})")
-        started["master"] = procs.start(
-            "master",
-            master_argv(cfg, find_binary("mooncake_master")),
-            env=mooncake_env(),
-            readiness=ReadinessCheck(http_url=f"http://{LOOPBACK}:{cfg.admin_port}/health"),
-        )
-        procs.wait_ready([started["master"]], timeout_s=30)
-    if cfg.starts_store:
-        say(f"starting the standalone store (mooncake_client) on {LOOPBACK}:{cfg.store_port}")
-        started["store"] = procs.start(
-            "store",
-            store_argv(cfg, find_binary("mooncake_client")),
-            env=mooncake_env(),
-            readiness=ReadinessCheck(tcp_port=cfg.store_port),
-        )
-        procs.wait_ready([started["store"]], timeout_s=60)
-    for role in ("producer", "consumer"):
-        started[role] = procs.start(
-            role,
-            engine_argv(cfg, role),
-            env=engine_env(cfg, role),
-            readiness=ReadinessCheck(http_url=cfg.base_url(role) + "/health"),
-            cwd=REPO_ROOT,
-        )
-    say(f"starting producer and consumer vLLM servers (about a minute; logs in {cfg.log_dir})")
-    began = time.monotonic()
-    procs.wait_ready([started["producer"], started["consumer"]], timeout_s=cfg.startup_timeout_s)
-    say(f"all healthy after {time.monotonic() - began:.0f} s")
-    return started
+# The running half (start, supervise, stop) lives in kvtool.launch, which imports this module;
+# its public names stay importable from here.
+_LAUNCH_NAMES = {"Interrupted", "launched_pair", "run_pair", "signals_raise_interrupted"}
 
 
-def admin_url_for(cfg: ServePairConfig) -> str | None:
-    if cfg.starts_master:
-        return f"http://{LOOPBACK}:{cfg.admin_port}"
-    return None
+def __getattr__(name: str) -> Any:
+    if name in _LAUNCH_NAMES:
+        from kvtool import launch
 
-
-@contextmanager
-def launched_pair(
-    cfg: ServePairConfig,
-    say: Reporter,
-    signal_guard: Callable[[], AbstractContextManager[None]] = nullcontext,
-) -> Iterator[tuple[dict[str, Any], ProcessSet]]:
-    """Start the pair, yield its ready info (written to cfg.ready_file too) and stop everything on exit.
-
-    ``signal_guard`` wraps start-up and the caller's body, e.g. signals_raise_interrupted.
-    """
-    preflight(cfg)
-    cfg.log_dir.mkdir(parents=True, exist_ok=True)
-    procs = ProcessSet(cfg.log_dir)
-    try:
-        with signal_guard():
-            started = start_pair(cfg, procs, say)
-            info = ready_info(cfg, {name: p.pid for name, p in started.items()}, admin_url_for(cfg))
-            if cfg.ready_file is not None:
-                write_json_atomically(cfg.ready_file, info)
-            yield info, procs
-    except Interrupted as exc:
-        say(f"{exc.signal_name} received; stopping")
-        raise
-    finally:
-        if cfg.ready_file is not None:
-            cfg.ready_file.unlink(missing_ok=True)
-        if procs.processes:
-            say("stopping " + ", ".join(p.name for p in reversed(procs.processes)))
-        procs.stop_all()
-
-
-def run_pair(
-    cfg: ServePairConfig,
-    say: Reporter,
-    on_ready: Callable[[dict[str, Any]], None],
-    smoke: Callable[[dict[str, Any]], None] | None = None,
-) -> int:
-    """Run until interrupted, until a process dies, or (with smoke) until the smoke check ends."""
-    try:
-        with launched_pair(cfg, say, signals_raise_interrupted) as (info, procs):
-            on_ready(info)
-            if smoke is not None:
-                try:
-                    smoke(info)
-                except ServerError:
-                    dead = procs.first_dead()
-                    if dead is not None:
-                        raise dead.died_error("during the smoke check") from None
-                    raise
-                return 0
-            while True:
-                dead = procs.first_dead()
-                if dead is not None:
-                    raise dead.died_error("while serving; stopping the others")
-                time.sleep(0.5)
-    except Interrupted:
-        return EXIT_INTERRUPTED
-    finally:
-        _restore_default_signals()
+        return getattr(launch, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,6 +1,7 @@
 """Fixtures that run a real producer/consumer pair through `kvtool serve-pair`.
 
-The pair starts once per session (about a minute on two cores) on free ports. Set
+The pair starts once per session (about a minute on two cores) on free ports; serve-pair starts and
+supervises its Mooncake master too (the ready file names its admin URL and current pid). Set
 KVTOOL_E2E_CONNECTOR / KVTOOL_E2E_STORE to run the suite against another configuration.
 """
 
@@ -21,7 +22,8 @@ import pytest
 
 from kvtool import client
 from kvtool.procs import find_free_port, log_tail
-from tests.master import Master
+
+from .pairtools import PairMaster
 
 READY_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 60.0
@@ -58,24 +60,18 @@ _start_failure: list[str] = []
 
 
 @pytest.fixture(scope="session")
-def pair_master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Master]:
-    """The pair's mooncake_master, owned by the tests (not serve-pair) so a test can kill and restart it."""
-    master = Master(tmp_path_factory.mktemp("master") / "master.log")
-    master.start()
-    yield master
-    master.stop()
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """The parsed ready file of a running serve-pair (see kvtool.serve_pair.ready_info), as first written.
 
-
-@pytest.fixture(scope="session")
-def pair(tmp_path_factory: pytest.TempPathFactory, pair_master: Master) -> Iterator[dict[str, Any]]:
-    """The parsed ready file of a running serve-pair (see kvtool.serve_pair.ready_info)."""
+    ``ready_file`` is added: serve-pair rewrites the file when it restarts the master (new pid).
+    """
     if _start_failure:
         pytest.fail(f"serve-pair failed to start earlier in this session:\n{_start_failure[0]}", pytrace=False)
     workdir = tmp_path_factory.mktemp("pair")
     ready_file = workdir / "ready.json"
     log_dir = workdir / "logs"
     log_dir.mkdir()
-    ports = {flag: find_free_port() for flag in ("producer", "consumer", "store")}
+    ports = {flag: find_free_port() for flag in ("producer", "consumer", "store", "master", "admin")}
     argv = [
         sys.executable,
         "-m",
@@ -89,8 +85,6 @@ def pair(tmp_path_factory: pytest.TempPathFactory, pair_master: Master) -> Itera
         os.environ.get("KVTOOL_E2E_CONNECTOR", "kvtool"),
         "--store",
         os.environ.get("KVTOOL_E2E_STORE", "embedded"),
-        "--master",
-        pair_master.address,
     ]
     for flag, port in ports.items():
         argv += [f"--{flag}-port", str(port)]
@@ -116,7 +110,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory, pair_master: Master) -> Itera
             time.sleep(0.5)
         info = json.loads(ready_file.read_text())
         info["fault_control_file"] = str(fault_control)
-        info["admin"] = pair_master.admin
+        info["ready_file"] = str(ready_file)
         yield info
     finally:
         _stop(process)
@@ -153,3 +147,11 @@ class PairClient:
 @pytest.fixture(scope="session")
 def pair_client(pair: dict[str, Any]) -> PairClient:
     return PairClient(pair)
+
+
+@pytest.fixture
+def pair_master(pair: dict[str, Any]) -> PairMaster:
+    """The master serve-pair runs and supervises: its admin URL, and its current pid from the ready file."""
+    if pair.get("master_pid") is None:
+        pytest.skip("this pair runs no Mooncake master of its own")
+    return PairMaster(pair)

@@ -2,14 +2,45 @@
 
 from __future__ import annotations
 
+import json
 import random
+from dataclasses import dataclass
+from pathlib import Path
 
 from kvtool.admin import wait_for_key
 from kvtool.client import complete
+from kvtool.procs import http_ok
 from kvtool.verify import compare_answers
 
 TOLERANCE = 1e-3  # max |logprob difference| against a full recomputation
 GENERATE = 6
+
+
+@dataclass(frozen=True)
+class PairMaster:
+    """The pair's mooncake_master, as serve-pair's ready file describes it right now."""
+
+    pair: dict
+
+    @property
+    def address(self) -> str:
+        return self.pair["master"]
+
+    @property
+    def admin(self) -> str:
+        return self.pair["admin"]
+
+    def ready(self) -> dict:
+        return json.loads(Path(self.pair["ready_file"]).read_text())
+
+    def pid(self) -> int:
+        return self.ready()["master_pid"]
+
+    def restarts(self) -> int:
+        return self.ready()["restarts"].get("master", 0)
+
+    def healthy(self) -> bool:
+        return http_ok(self.admin + "/health", timeout=1.0)
 
 
 def prompt(seed: int, length: int) -> list[int]:

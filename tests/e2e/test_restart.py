@@ -1,9 +1,13 @@
-"""The Mooncake master killed mid-run and restarted with every key lost: misses while it is down,
-hits again after, and every answer equals a recomputation throughout. Runs last: it empties the store."""
+"""serve-pair supervises its Mooncake master: killed (SIGKILL) or frozen (SIGSTOP), the master is
+replaced on the same ports, the consumer keeps answering meanwhile (misses, each equal to a
+recomputation), and hits come back after. Runs last: every restart empties the store."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -11,22 +15,53 @@ from .pairtools import consume, produce, prompt
 
 pytestmark = pytest.mark.e2e
 
+REPLACE_TIMEOUT_S = 90.0
+RECONNECT_TIMEOUT_S = 90.0
 
-def test_master_killed_then_restarted(pair, pair_master):
-    base = prompt(200, 45)
+
+def is_running_master(pid: int) -> bool:
+    try:
+        return b"mooncake_master" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def supervisor_log(pair) -> str:
+    path = Path(pair["log_dir"]) / "supervisor.log"
+    return path.read_text() if path.exists() else "(no supervisor.log)"
+
+
+def hits_first(pair, seed: int) -> None:
+    base = prompt(seed, 45)
     produce(pair, base)
-    details, _ = consume(pair, base + prompt(201, 5))
+    details, _ = consume(pair, base + prompt(seed + 1, 5))
     assert details["external_hit_tokens"] == 45
 
-    pair_master.stop()
-    # Down: the lookup fails (or finds nothing); the request is served by recomputing.
-    down, _ = consume(pair, prompt(202, 45) + prompt(203, 5))
-    assert down["external_hit_tokens"] == 0
 
-    pair_master.start()
-    # The clients reconnect on their own within seconds; publish until a save ends, then it hits.
-    again = prompt(204, 45)
-    deadline = time.monotonic() + 90
+def consume_until_replaced(pair, pair_master, old_pid: int, seed: int) -> int:
+    """Ask the consumer for new prompts until serve-pair runs a new, healthy master; return its pid.
+
+    Every answer, during the outage too, must come (no hang), be a miss, and equal a recomputation.
+    """
+    deadline = time.monotonic() + REPLACE_TIMEOUT_S
+    answered = 0
+    while True:
+        details, _ = consume(pair, prompt(seed + answered, 45) + prompt(seed + 1000 + answered, 5))
+        assert details["external_hit_tokens"] == 0, details
+        answered += 1
+        pid = pair_master.pid()
+        if pid != old_pid and pair_master.healthy():
+            return pid
+        assert time.monotonic() < deadline, (
+            f"serve-pair did not replace master {old_pid} in {REPLACE_TIMEOUT_S:.0f} s:\n{supervisor_log(pair)}"
+        )
+        time.sleep(0.2)
+
+
+def hits_again(pair, seed: int) -> None:
+    """The engines' clients reconnect on their own; publish until a save lands, then the consumer hits."""
+    again = prompt(seed, 45)
+    deadline = time.monotonic() + RECONNECT_TIMEOUT_S
     while True:
         try:
             produce(pair, again, expect_stored=True)
@@ -34,7 +69,39 @@ def test_master_killed_then_restarted(pair, pair_master):
         except AssertionError:
             if time.monotonic() > deadline:
                 raise
-            again = prompt(int(time.monotonic()), 45)
+            seed += 1
+            again = prompt(seed, 45)
             time.sleep(2)
-    details, _ = consume(pair, again + prompt(205, 5))
+    details, _ = consume(pair, again + prompt(seed + 5000, 5))
     assert details["external_hit_tokens"] == 45
+
+
+def test_a_killed_master_is_restarted_by_serve_pair(pair, pair_master):
+    hits_first(pair, 200)
+    old, restarts = pair_master.pid(), pair_master.restarts()
+    os.kill(old, signal.SIGKILL)
+
+    new = consume_until_replaced(pair, pair_master, old, seed=300)
+    assert not is_running_master(old)
+    assert pair_master.restarts() == restarts + 1
+    assert pair_master.address == pair["master"] and pair_master.ready()["admin"] == pair["admin"]
+    assert f"(pid {old}) was killed by SIGKILL" in supervisor_log(pair)
+    assert f"again as pid {new}" in supervisor_log(pair)
+    hits_again(pair, 400)
+
+
+def test_a_frozen_master_is_replaced_by_serve_pair(pair, pair_master):
+    hits_first(pair, 600)
+    old, restarts = pair_master.pid(), pair_master.restarts()
+    os.kill(old, signal.SIGSTOP)  # its ports stay open and nothing answers: only a health check tells
+    try:
+        new = consume_until_replaced(pair, pair_master, old, seed=700)
+    finally:
+        if is_running_master(old) and pair_master.pid() == old:
+            os.kill(old, signal.SIGCONT)  # not replaced: let the pair go on (and stop) normally
+    assert not is_running_master(old)
+    assert pair_master.restarts() == restarts + 1
+    log = supervisor_log(pair)
+    assert f"(pid {old}) has failed its health check" in log and "killed it (SIGKILL)" in log
+    assert f"again as pid {new}" in log
+    hits_again(pair, 800)

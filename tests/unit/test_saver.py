@@ -9,8 +9,7 @@ import torch
 from connector.calls import BoundedCalls
 from connector.config import load_config
 from connector.data import BlockTransfer, KVToolMetadata, RequestLoad, RequestSave
-from connector.hashing import RequestIdentity
-from connector.keys import KeyKind, Namespace
+from connector.keys import KeyKind
 from connector.objects import HEADER_SIZE
 from connector.prefix import PromptKeys, plan_save
 from connector.store import PutOutcome

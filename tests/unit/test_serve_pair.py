@@ -16,6 +16,7 @@ from kvtool.cli import app
 from kvtool.errors import UserError
 from kvtool.serve_pair import (
     ServePairConfig,
+    admin_url_for,
     cpu_halves,
     engine_argv,
     engine_env,
@@ -163,15 +164,18 @@ def test_master_stays_on_loopback(tmp_path):
 
 def test_ready_info_content(tmp_path):
     cfg = make_config(tmp_path, producer_port=8101, consumer_port=8201, master_port=6004, admin_port=6005)
-    info = ready_info(cfg, {"master": 1, "producer": 2, "consumer": 3}, "http://127.0.0.1:6005")
+    pids = {"master": 1, "producer": 2, "consumer": 3}
+    info = ready_info(cfg, pids, admin_url_for(cfg), {"master": 2})
     assert info == {
         "producer": "http://127.0.0.1:8101",
         "consumer": "http://127.0.0.1:8201",
         "master": "127.0.0.1:6004",
         "admin": "http://127.0.0.1:6005",
+        "master_pid": 1,
         "model": str(tmp_path / "model"),
         "block_size": 32,
         "hash_unit": 1,
+        "max_model_len": 2048,
         "connector": "kvtool",
         "store": "embedded",
         "store_address": None,
@@ -181,11 +185,24 @@ def test_ready_info_content(tmp_path):
             "consumer": str(tmp_path / "logs" / "consumer-requests.jsonl"),
         },
         "pids": {"master": 1, "producer": 2, "consumer": 3},
+        "restarts": {"master": 2},
     }
     ready = tmp_path / "ready.json"
     write_json_atomically(ready, info)
     assert json.loads(ready.read_text()) == info
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_an_external_master_has_an_admin_url_but_no_pid(tmp_path):
+    cfg = make_config(tmp_path, external_master="10.0.0.7:50051", admin_port=9100)
+    info = ready_info(cfg, {"producer": 2, "consumer": 3}, admin_url_for(cfg))
+    assert (info["master"], info["admin"], info["master_pid"], info["restarts"]) == (
+        "10.0.0.7:50051",
+        "http://10.0.0.7:9100",
+        None,
+        {},
+    )
+    assert admin_url_for(make_config(tmp_path, connector="none")) is None
 
 
 def test_port_in_use_names_the_flag():

@@ -1,0 +1,242 @@
+"""Running a pair: start the Mooncake master (and store) and both engines, supervise, stop them all.
+
+kvtool serve-pair (run_pair) and kvtool bench --launch (launched_pair) both come through here, so
+both keep the master up: it is restarted on its own ports when it dies or hangs (kvtool.supervise),
+while an engine that dies still stops everything.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from pathlib import Path
+from typing import Any
+
+from kvtool.errors import EXIT_INTERRUPTED, ServerError
+from kvtool.procs import LOOPBACK, ProcessDied, ProcessSet, ReadinessCheck
+from kvtool.serve_pair import (
+    REPO_ROOT,
+    Reporter,
+    ServePairConfig,
+    admin_url_for,
+    engine_argv,
+    engine_env,
+    find_binary,
+    master_argv,
+    mooncake_config_path,
+    mooncake_env,
+    preflight,
+    ready_info,
+    store_argv,
+    vllm_mooncake_file_config,
+    write_json_atomically,
+)
+from kvtool.supervise import DEFAULT_POLICY, Policy, Supervisor, Watch
+
+MASTER_LABEL = "mooncake_master"
+STORE_LABEL = "the standalone store (mooncake_client)"
+
+
+class Interrupted(Exception):
+    def __init__(self, signal_name: str) -> None:
+        super().__init__(signal_name)
+        self.signal_name = signal_name
+
+
+@contextmanager
+def signals_raise_interrupted() -> Iterator[None]:
+    """SIGINT and SIGTERM raise Interrupted; the cleanup that follows runs with both ignored."""
+
+    def handler(signum: int, _frame: object) -> None:
+        raise Interrupted(signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig in previous:
+            signal.signal(sig, signal.SIG_IGN)
+
+
+def _restore_default_signals() -> None:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def start_mooncake(cfg: ServePairConfig, procs: ProcessSet, say: Reporter) -> dict[str, str]:
+    """Start the master and the standalone store as configured, wait until ready; return their labels."""
+    labels: dict[str, str] = {}
+    if cfg.connector == "vllm-mooncake-store":
+        assert cfg.master_address is not None
+        write_json_atomically(
+            mooncake_config_path(cfg),
+            vllm_mooncake_file_config(cfg.master_address, cfg.engine_segment_bytes, cfg.local_buffer_bytes),
+        )
+    if cfg.starts_master:
+        say(f"starting mooncake_master on {cfg.master_address} (admin {admin_url_for(cfg)})")
+        master = procs.start(
+            "master",
+            master_argv(cfg, find_binary("mooncake_master")),
+            env=mooncake_env(),
+            readiness=ReadinessCheck(http_url=f"{admin_url_for(cfg)}/health"),
+        )
+        procs.wait_ready([master], timeout_s=30)
+        labels["master"] = MASTER_LABEL
+    if cfg.starts_store:
+        say(f"starting the standalone store (mooncake_client) on {LOOPBACK}:{cfg.store_port}")
+        store = procs.start(
+            "store",
+            store_argv(cfg, find_binary("mooncake_client")),
+            env=mooncake_env(),
+            readiness=ReadinessCheck(tcp_port=cfg.store_port),
+        )
+        procs.wait_ready([store], timeout_s=60)
+        labels["store"] = STORE_LABEL
+    return labels
+
+
+def start_engines(cfg: ServePairConfig, procs: ProcessSet, say: Reporter) -> None:
+    """Start the producer and the consumer side by side and wait until both are healthy."""
+    engines = [
+        procs.start(
+            role,
+            engine_argv(cfg, role),
+            env=engine_env(cfg, role),
+            readiness=ReadinessCheck(http_url=cfg.base_url(role) + "/health"),
+            cwd=REPO_ROOT,
+        )
+        for role in ("producer", "consumer")
+    ]
+    say(f"starting producer and consumer vLLM servers (about a minute; logs in {cfg.log_dir})")
+    began = time.monotonic()
+    procs.wait_ready(engines, timeout_s=cfg.startup_timeout_s)
+    say(f"all healthy after {time.monotonic() - began:.0f} s")
+
+
+class ReadyFile:
+    """The ready file: written once the pair is healthy, rewritten (atomically) after every restart."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._build: Callable[[], dict[str, Any]] | None = None
+
+    def publish(self, build: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        with self._lock:
+            self._build = build
+            return self._write()
+
+    def refresh(self) -> None:
+        with self._lock:
+            if self._build is not None:  # before publish() the first write will hold the news
+                self._write()
+
+    def remove(self) -> None:
+        with self._lock:
+            self._build = None
+            if self.path is not None:
+                self.path.unlink(missing_ok=True)
+
+    def _write(self) -> dict[str, Any]:
+        assert self._build is not None
+        info = self._build()
+        if self.path is not None:
+            write_json_atomically(self.path, info)
+        return info
+
+
+@contextmanager
+def launched_pair(
+    cfg: ServePairConfig,
+    say: Reporter,
+    signal_guard: Callable[[], AbstractContextManager[None]] = nullcontext,
+    policy: Policy = DEFAULT_POLICY,
+) -> Iterator[tuple[dict[str, Any], ProcessSet]]:
+    """Start the pair, yield its ready info (written to cfg.ready_file too) and stop everything on exit.
+
+    From the moment the master (and store) are ready until the pair stops, a supervisor thread
+    restarts them when they die or hang. ``signal_guard`` wraps start-up and the caller's body,
+    e.g. signals_raise_interrupted.
+    """
+    preflight(cfg)
+    cfg.log_dir.mkdir(parents=True, exist_ok=True)
+    procs = ProcessSet(cfg.log_dir)
+    ready = ReadyFile(cfg.ready_file)
+    watch: Watch | None = None
+    try:
+        with signal_guard():
+            labels = start_mooncake(cfg, procs, say)
+            supervisor: Supervisor | None = None
+            if labels:
+                supervisor = Supervisor(
+                    procs,
+                    labels,
+                    say,
+                    policy,
+                    event_log=cfg.log_dir / "supervisor.log",
+                    on_restart=lambda _name, _pid: ready.refresh(),
+                )
+                watch = Watch(supervisor).start()
+            start_engines(cfg, procs, say)
+
+            def current_info() -> dict[str, Any]:
+                restarts = supervisor.restarts() if supervisor is not None else {}
+                return ready_info(cfg, procs.pids(), admin_url_for(cfg), restarts)
+
+            info = ready.publish(current_info)
+            yield info, procs
+    except Interrupted as exc:
+        say(f"{exc.signal_name} received; stopping")
+        raise
+    except ServerError as exc:
+        # A failed request (the bench's) whose cause is a dead engine: name the engine and its log.
+        dead = None if isinstance(exc, ProcessDied) else procs.first_dead()
+        if dead is not None:
+            raise dead.died_error("while the pair was in use; stopping the others") from None
+        raise
+    finally:
+        if watch is not None:
+            watch.stop()  # no restart may race the shutdown
+        ready.remove()
+        if procs.processes:
+            say("stopping " + ", ".join(p.name for p in reversed(procs.processes)))
+        procs.stop_all()
+        if watch is not None:
+            watch.release()
+
+
+def run_pair(
+    cfg: ServePairConfig,
+    say: Reporter,
+    on_ready: Callable[[dict[str, Any]], None],
+    smoke: Callable[[dict[str, Any]], None] | None = None,
+    policy: Policy = DEFAULT_POLICY,
+) -> int:
+    """Run until interrupted, until an engine dies, or (with smoke) until the smoke check ends.
+
+    The master and the standalone store are not in that list: they are restarted instead.
+    """
+    try:
+        with launched_pair(cfg, say, signals_raise_interrupted, policy) as (info, procs):
+            on_ready(info)
+            if smoke is not None:
+                try:
+                    smoke(info)
+                except ServerError:
+                    dead = procs.first_dead()
+                    if dead is not None:
+                        raise dead.died_error("during the smoke check") from None
+                    raise
+                return 0
+            while True:
+                dead = procs.first_dead()
+                if dead is not None:
+                    raise dead.died_error("while serving; stopping the others")
+                time.sleep(0.5)
+    except Interrupted:
+        return EXIT_INTERRUPTED
+    finally:
+        _restore_default_signals()
