@@ -40,22 +40,36 @@ def _token_bytes(tokens: Sequence[int]) -> bytes:
 class RequestIdentity:
     """What, besides the tokens, makes one request's KV differ from another's.
 
-    ``cache_salt`` isolates users (requests with different salts never share KV), ``lora_name``
-    the adapter, ``mm_hashes`` the multimodal inputs.
+    ``cache_salt`` isolates users (requests with different salts never share KV), ``lora_name`` and
+    ``lora_path`` the adapter, ``mm_hashes`` the multimodal inputs (identifier and placeholder
+    position), ``embeds_digest`` the prompt embeddings (their positions hold placeholder token ids,
+    so the tokens alone do not tell them apart). ``connector.identity.request_identity`` reads them
+    from a vLLM request.
     """
 
     cache_salt: str | None = None
     lora_name: str | None = None
     mm_hashes: tuple[str, ...] = ()
+    lora_path: str | None = None
+    embeds_digest: bytes | None = None
 
     def root_hash(self) -> bytes:
-        return _digest(
+        parts = [
             _ROOT_TAG,
             (self.cache_salt or "").encode(),
             b"\x01" if self.cache_salt is not None else b"\x00",
             (self.lora_name or "").encode(),
             "\x1f".join(self.mm_hashes).encode(),
-        )
+        ]
+        # Fields added later are appended only when set, each behind its own tag and in a fixed
+        # order: an identity without them keeps the root it always had (stored keys stay valid), and
+        # since every part is length-prefixed, one with them can never hash the same bytes as one
+        # without.
+        if self.lora_path is not None:
+            parts += [b"lora_path", self.lora_path.encode()]
+        if self.embeds_digest is not None:
+            parts += [b"embeds", self.embeds_digest]
+        return _digest(*parts)
 
 
 def block_hashes(tokens: Sequence[int], block_size: int, root: bytes) -> list[bytes]:

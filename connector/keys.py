@@ -5,12 +5,12 @@
     kvtool/1/<namespace>/w/<request_hash>/<seq>       a producer's watermark record for one request
 
 ``namespace`` is 16 hex digits of the namespace fingerprint: everything that makes KV bytes
-incompatible for the same tokens (model, dtype, layout, block size, layers, KV heads, head size, TP
-size and rank, cache group). ``chain_hash`` is 32 hex digits (128 bits). The kind letter and the
-block/tail domain tags of the hashes keep tail keys and block keys apart. ``request_hash`` is 32 hex
-digits of BLAKE2b over the vLLM request id; ``seq`` orders a request's immutable watermark records
-(the highest is the latest). Keys use only
-``[a-z0-9/]`` so they survive the master's comma-separated batch queries and URLs unescaped.
+incompatible for the same tokens (model, weights digest, model identity, dtype, layout, block size,
+layers, KV heads, head size, TP size and rank, cache group). ``chain_hash`` is 32 hex digits (128
+bits). The kind letter and the block/tail domain tags of the hashes keep tail keys and block keys
+apart. ``request_hash`` is 32 hex digits of BLAKE2b over the vLLM request id; ``seq`` orders a
+request's immutable watermark records (the highest is the latest). Keys use only ``[a-z0-9/]`` so
+they survive the master's comma-separated batch queries and URLs unescaped.
 """
 
 from __future__ import annotations
@@ -41,9 +41,17 @@ class Namespace:
     tp_rank: int = 0
     cache_group: int = 0
     weights_digest: str = ""
+    # Digest of everything else about the model that changes KV bytes for the same tokens
+    # (connector.identity.model_identity: quantization, revisions, hf_overrides, rope, KV cache
+    # dtype, config files, weight file stats). Empty: not known (left out of the fingerprint, so a
+    # namespace without it keeps the fingerprint it had before the field existed).
+    model_identity: str = ""
 
     def fingerprint(self) -> bytes:
-        canonical = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        fields = asdict(self)
+        if not fields["model_identity"]:
+            del fields["model_identity"]
+        canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         return hashlib.blake2b(canonical.encode(), digest_size=16).digest()
 
     def key_component(self) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .identity import model_identity
 from .keys import Namespace
 
 if TYPE_CHECKING:
@@ -43,4 +44,5 @@ def engine_namespace(
         tp_rank=0,
         cache_group=0,
         weights_digest=weights_digest,
+        model_identity=model_identity(vllm_config, weights_digest),
     )

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from .config import KVToolConfig
 from .data import BlockTransfer, KVToolMetadata, RequestLoad, RequestSave, StoredObject
 from .hashing import RequestIdentity
+from .identity import UnhashableRequest, request_identity
 from .keys import KeyKind, Namespace, watermark_key
 from .watermarks import SEQ_FINAL
 from .calls import BoundedCalls
@@ -48,16 +49,6 @@ class RequestLog:
             logger.warning("kvtool: cannot write the request log %s (%s); no longer writing it", self._path, exc)
 
 
-def request_identity(request: Request) -> RequestIdentity:
-    lora = getattr(request, "lora_request", None)
-    features = getattr(request, "mm_features", None) or []
-    return RequestIdentity(
-        cache_salt=getattr(request, "cache_salt", None),
-        lora_name=lora.lora_name if lora is not None else None,
-        mm_hashes=tuple(str(f.identifier) for f in features),
-    )
-
-
 @dataclass
 class _Tracked:
     """What the scheduler side keeps about one live request."""
@@ -68,6 +59,7 @@ class _Tracked:
     plan: LoadPlan | None = None
     stored: StoredPrefix | None = None  # what the last lookup found stored
     offered: bool = False  # a lookup answered vLLM and its allocation is still to come
+    unhashable: str | None = None  # why its identity cannot be read (then it is never looked up or saved)
     stored_prefix_tokens: int = 0
     lookup: str = "not looked up"
     local_tokens: int = 0  # vLLM's own (block-aligned) prefix-cache hit, as presented to the lookup
@@ -110,14 +102,20 @@ class SchedulerSide:
     def _track(self, request: Request) -> _Tracked:
         tracked = self._tracked.get(request.request_id)
         if tracked is None:
+            unhashable = None
+            try:
+                root = request_identity(request).root_hash()
+            except UnhashableRequest as exc:
+                # Without its whole identity its keys could be another request's: no lookup, no save.
+                unhashable, root = str(exc), RequestIdentity().root_hash()
+                self.stats["requests_unhashable"] += 1
+                self._warn_once("unhashable", f"kvtool: a request is neither looked up nor stored: {exc}")
             keys = PromptKeys.build(
-                request.prompt_token_ids or [],
-                self._block_size,
-                self._config.hash_unit,
-                self._namespace,
-                request_identity(request).root_hash(),
+                request.prompt_token_ids or [], self._block_size, self._config.hash_unit, self._namespace, root
             )
-            tracked = _Tracked(request=request, keys=keys)
+            tracked = _Tracked(request=request, keys=keys, unhashable=unhashable)
+            if unhashable:
+                tracked.lookup = f"not looked up: {unhashable}"
             self._tracked[request.request_id] = tracked
         return tracked
 
@@ -130,7 +128,7 @@ class SchedulerSide:
         tracked = self._track(request)
         tracked.local_tokens = num_computed_tokens
         req_id = request.request_id
-        if self._lookups is None or len(tracked.keys.tokens) < 2:
+        if self._lookups is None or len(tracked.keys.tokens) < 2 or tracked.unhashable:
             return 0, False
         if not self._loads_enabled:
             # A producer only learns what is stored already, for its save; it never waits for that.
@@ -212,7 +210,7 @@ class SchedulerSide:
         self, meta: KVToolMetadata, tracked: _Tracked, num_computed: int, scheduler_output: SchedulerOutput
     ) -> None:
         """Publish the prompt's KV in the step that completes it (so a max_tokens=1 request publishes too)."""
-        if tracked.save_scheduled:
+        if tracked.save_scheduled or tracked.unhashable:
             return
         req_id = tracked.request.request_id
         scheduled = scheduler_output.num_scheduled_tokens.get(req_id, 0)

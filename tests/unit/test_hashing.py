@@ -58,8 +58,11 @@ def test_identity_separates_salts_loras_and_multimodal_inputs():
         RequestIdentity(cache_salt="bob").root_hash(),
         RequestIdentity(lora_name="alice").root_hash(),
         RequestIdentity(mm_hashes=("img1",)).root_hash(),
+        RequestIdentity(lora_name="alice", lora_path="/a").root_hash(),
+        RequestIdentity(embeds_digest=bytes(16)).root_hash(),
+        RequestIdentity(lora_path="", embeds_digest=bytes(16)).root_hash(),
     }
-    assert len(roots) == 6
+    assert len(roots) == 9
 
 
 def test_tail_hash_differs_from_block_hash_over_same_tokens():

@@ -61,6 +61,7 @@ def test_namespace_folds_in_everything_that_makes_kv_incompatible():
         tp_rank=0,
         cache_group=0,
         weights_digest="",
+        model_identity="",
     )
     base = Namespace(**fields).key_component()
     changes = dict(
@@ -75,6 +76,7 @@ def test_namespace_folds_in_everything_that_makes_kv_incompatible():
         tp_rank=1,
         cache_group=1,
         weights_digest="abc",
+        model_identity="def",
     )
     for name, value in changes.items():
         assert Namespace(**{**fields, name: value}).key_component() != base, name

@@ -194,3 +194,30 @@ def test_after_a_failed_load_the_request_is_recomputed_not_looked_up_again():
     allocate(side, req, 0)
     details = side.request_finished(req)[1]["kvtool"]
     assert (details["external_hit_tokens"], details["lookup"]) == (0, "load failed: checksum")
+
+
+def test_a_prompt_with_embeddings_never_hits_a_text_prompt_of_the_same_ids():
+    import torch
+
+    store = ScriptedStore()
+    publish(store, PROMPT)  # a text prompt
+    side = consumer(store)
+    embeds = torch.ones(len(PROMPT) + 1, 8)
+    assert lookup(side, request(PROMPT + [1], prompt_embeds=embeds)) == (0, False)
+    assert lookup(side, request(PROMPT + [1], "r2")) == (85, True)
+
+
+def test_a_request_whose_identity_cannot_be_read_is_neither_looked_up_nor_stored():
+    store = ScriptedStore()
+    publish(store, PROMPT)
+    side = SchedulerSide(CONFIG, NS, store, loads_enabled=True, saves_enabled=True, lookup_calls=InlineCalls())
+    req = request(PROMPT + [1], prompt_embeds="not a tensor")
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    chunk = SimpleNamespace(req_id="r1", block_ids=([4, 5, 6],), num_computed_tokens=0)
+    cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[])
+    meta = side.build_connector_meta(
+        SimpleNamespace(scheduled_new_reqs=[chunk], scheduled_cached_reqs=cached, num_scheduled_tokens={"r1": 86})
+    )
+    assert meta.saves == [] and meta.loads == []
+    assert side.take_stats()["requests_unhashable"] == 1
+    assert side.request_finished(req)[1]["kvtool"]["lookup"].startswith("not looked up: prompt embeddings")

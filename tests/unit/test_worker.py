@@ -167,3 +167,10 @@ def test_a_worker_without_a_store_fails_planned_loads():
     side = WorkerSide(NS, None, CONFIG, saves_enabled=False)
     side.start_load_kv(KVToolMetadata(loads=[RequestLoad("req-2", transfers((0, 6, 7)))]))
     assert side.get_finished() == ({"req-2"}, {"req-2"})
+
+
+def test_kv_caches_off_the_cpu_are_refused_at_registration():
+    # The connector turns this into one warning and serves without itself (no GPU path yet).
+    caches = {name: torch.empty(NUM_BLOCKS, 2, BLOCK, 128, device="meta") for name in LAYERS}
+    with pytest.raises(ValueError, match="CPU only"):
+        WorkerSide(NS, ScriptedStore(), CONFIG, saves_enabled=True).register_kv_caches(caches, LAYERS, NUM_BLOCKS)
