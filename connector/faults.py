@@ -26,6 +26,7 @@ class FaultPlan(BaseModel):
 
     delay_s: float = 0.0  # added to every call (a slow store)
     put_delay_s: float = 0.0  # added to puts only (a producer's save stays in flight)
+    get_delay_s: float = 0.0  # added to loads only (a slow transfer; lookups still answer)
     fail_exists: bool = False  # existence queries fail (RPC failure)
     fail_get: bool = False  # loads find nothing (the segment's owner is gone)
     corrupt_get: Literal["flip", "truncate", "namespace"] | None = None  # what loads read back
@@ -87,6 +88,8 @@ class FaultyClient:
 
     def get_batch(self, keys):
         plan = self._enter()
+        if plan.get_delay_s:
+            time.sleep(plan.get_delay_s)
         if plan.fail_get:
             return [b""] * len(keys)
         values = self._client.get_batch(keys)

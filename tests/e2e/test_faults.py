@@ -72,6 +72,27 @@ def test_a_corrupted_object_is_rejected_and_recomputed(pair, how, cause):
     assert wait_metric(pair, "consumer", f"vllm:kvtool_load_failures_{cause}_total", before) > before
 
 
+def test_a_request_aborted_while_its_load_fails_leaves_no_stale_blocks_for_a_local_hit(pair):
+    """vLLM caches a synchronous load's blocks before the load runs; with the recompute policy a failed
+    load leaves them cached, and a request aborted before its recomputation leaves them there, so a
+    later prompt with the same prefix would hit them locally. kvtool's loads are asynchronous: blocks
+    are cached only once their load succeeded, and a failed load frees them uncached."""
+    base = prompt(115, 80)
+    produce(pair, base)
+    before = metric(pair, "consumer", "vllm:kvtool_load_failures_checksum_total")
+    with faults(pair, corrupt_get="flip", get_delay_s=1.5):
+        with pytest.raises(httpx.TimeoutException):  # the client gives up: vLLM aborts the request mid-load
+            httpx.post(
+                f"{pair['consumer']}/v1/completions",
+                json={"model": pair["model"], "prompt": base + prompt(116, 4), "max_tokens": 4, "temperature": 0},
+                timeout=0.5,
+            )
+        assert wait_metric(pair, "consumer", "vllm:kvtool_load_failures_checksum_total", before) > before
+    # The same prefix again, the store healthy: whatever is reused, the answer equals a recomputation.
+    details, _ = consume(pair, base + prompt(117, 4))
+    assert details["local_hit_tokens"] + details["external_hit_tokens"] == len(base)
+
+
 def test_objects_gone_after_a_positive_lookup_are_a_recompute(pair):
     """The segment's owner died between "exists" and the load: the load finds nothing."""
     base = prompt(110, 50)
