@@ -25,7 +25,7 @@ logger = logging.getLogger("vllm.kvtool")
 class BreakerPolicy:
     failures_to_open: int = 3  # consecutive failed calls that open the breaker
     backoff_s: float = 1.0  # first back-off; doubles on each failed trial
-    max_backoff_s: float = 30.0
+    max_backoff_s: float = 10.0
 
 
 class CircuitBreaker:

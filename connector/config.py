@@ -36,7 +36,8 @@ class ConfigError(ValueError):
 class KVToolConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    # Mooncake store client.
+    # The store: its backend (connector/store.py BACKENDS), and the Mooncake client's settings.
+    store_backend: Literal["mooncake"] = "mooncake"
     master_server_address: str = Field(min_length=3, description="host:port of the mooncake_master RPC")
     metadata_server: str = "P2PHANDSHAKE"
     local_hostname: str = "127.0.0.1"
@@ -65,7 +66,7 @@ class KVToolConfig(BaseModel):
     # Never a stall: a failing store is skipped for a back-off; saves wait in bounded host memory.
     breaker_failures: int = Field(default=3, gt=0, description="failed store calls in a row that open the breaker")
     breaker_backoff_s: float = Field(default=1.0, gt=0, description="first back-off of an open breaker, doubling")
-    breaker_max_backoff_s: float = Field(default=30.0, gt=0)
+    breaker_max_backoff_s: float = Field(default=10.0, gt=0)
     save_buffer_bytes: int = Field(
         default=1 << 30, gt=0, description="host copies of saves waiting for their puts, at most; beyond, dropped"
     )

@@ -26,7 +26,7 @@ from .data import KVToolMetadata, KVToolWorkerMeta
 from .layout import UnsupportedLayout, engine_namespace
 from .metrics import KVToolStats
 from .scheduler import SchedulerSide
-from .store import SharedStore, StoreError
+from .store import StoreError, open_store
 from .worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -86,7 +86,7 @@ class KVToolConnector(KVConnectorBase_V1):
             self.config if role == KVConnectorRole.WORKER else self.config.model_copy(update={"global_segment_size": 0})
         )
         try:
-            shared = SharedStore(config)
+            shared = open_store(config, shared=True)
         except StoreError as exc:
             logger.warning(
                 "kvtool: Mooncake store at %s is unavailable (%s); serving without the connector's help",

@@ -1,9 +1,10 @@
 """Fault injection below the store adapter, for the fault suite. Off unless configured.
 
-When ``fault_control_file`` is set, the Mooncake client is wrapped: before each call the wrapper
+When ``fault_control_file`` is set, the store backend is wrapped: before each call the wrapper
 re-reads the JSON fault plan from that file (when it changed), so a test can switch faults on and off
-in a running engine. The faults sit under the adapter's time-outs and checks, where real ones would:
-a delay is a slow store, a corrupted value is a torn or foreign object, a failed put is a full store.
+in a running engine. The faults sit under the store's time-outs and the connector's checks, where
+real ones would: a delay is a slow store, a corrupted value is a torn or foreign object, a failed put
+is a full store.
 Production configurations never set ``fault_control_file``; the connector warns loudly when it is set.
 """
 
@@ -12,12 +13,14 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Sequence
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-_NO_SPACE = -200
-_TRANSFER_FAILED = -800
+from .calls import StoreError
+from .store import KVStore, PutOutcome
+
 _RPC_FAILED = -900
 
 
@@ -50,11 +53,16 @@ def corrupt(value: bytes, how: str) -> bytes:
     return value[:8] + bytes(b ^ 0xFF for b in value[8:24]) + value[24:]
 
 
-class FaultyClient:
-    """Wraps a MooncakeDistributedStore; the calls the adapter uses go through the current fault plan."""
+class FaultyStore:
+    """Wraps any ``KVStore``; every call goes through the current fault plan first.
 
-    def __init__(self, client, control_file: str):
-        self._client = client
+    It sits under the time-outs (``store.open_store`` puts it between the backend and
+    ``TimedStore``), where a real fault would: a delay is a slow store, a corrupted value a torn or
+    foreign object, a put outcome a full or failing store.
+    """
+
+    def __init__(self, store: KVStore, control_file: str):
+        self._store = store
         self._control_file = control_file
         self._plan = FaultPlan()
         self._stamp: float | None = None
@@ -74,39 +82,39 @@ class FaultyClient:
             self._stamp = stamp
         return self._plan
 
-    def _enter(self) -> FaultPlan:
+    def _enter(self, extra_delay_s: float = 0.0) -> FaultPlan:
         plan = self.plan()
-        if plan.delay_s:
-            time.sleep(plan.delay_s)
+        delay = plan.delay_s + extra_delay_s
+        if delay:
+            time.sleep(delay)
         return plan
 
-    def batch_is_exist(self, keys):
+    def exists(self, keys: Sequence[str]) -> list[bool]:
         plan = self._enter()
         if plan.fail_exists:
-            return [_RPC_FAILED] * len(keys)
-        return self._client.batch_is_exist(keys)
+            raise StoreError(f"existence query failed with code {_RPC_FAILED}")
+        return self._store.exists(keys)
 
-    def get_batch(self, keys):
-        plan = self._enter()
-        if plan.get_delay_s:
-            time.sleep(plan.get_delay_s)
+    def get(self, keys: Sequence[str], object_bytes: int = 0) -> list[bytes | None]:
+        plan = self._enter(self.plan().get_delay_s)
         if plan.fail_get:
-            return [b""] * len(keys)
-        values = self._client.get_batch(keys)
+            return [None] * len(keys)  # what a load finds when the segment's owner is gone
+        values = self._store.get(keys, object_bytes)
         if plan.corrupt_get is None:
             return values
         return [
-            corrupt(bytes(v), plan.corrupt_get) if _kind_of(k) in ("b", "t") else v
+            corrupt(v, plan.corrupt_get) if v is not None and _kind_of(k) in ("b", "t") else v
             for k, v in zip(keys, values, strict=True)
         ]
 
-    def put(self, key, value):
-        plan = self._enter()
-        if plan.put_delay_s:
-            time.sleep(plan.put_delay_s)
+    def put(self, key: str, value: bytes) -> PutOutcome:
+        plan = self._enter(self.plan().put_delay_s)
         if plan.put_outcome is not None and _kind_of(key) in plan.put_kinds:
-            return _NO_SPACE if plan.put_outcome == "no_space" else _TRANSFER_FAILED
-        return self._client.put(key, value)
+            return PutOutcome.NO_SPACE if plan.put_outcome == "no_space" else PutOutcome.FAILED
+        return self._store.put(key, value)
 
-    def __getattr__(self, name):
-        return getattr(self._client, name)
+    def remove(self, key: str) -> int:
+        return self._store.remove(key)
+
+    def close(self) -> None:
+        self._store.close()

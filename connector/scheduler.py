@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import logging
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from .config import KVToolConfig
 from .data import BlockTransfer, KVToolMetadata, RequestLoad, RequestSave, StoredObject
 from .hashing import RequestIdentity
+from .hits import HitDetails
 from .identity import UnhashableRequest, request_identity
 from .keys import KeyKind, Namespace, watermark_key
 from .watermarks import SEQ_FINAL
@@ -36,11 +37,11 @@ class RequestLog:
         self._path = path
         self._failed = False
 
-    def write(self, request: Request, details: dict[str, Any]) -> None:
+    def write(self, request: Request, details: HitDetails) -> None:
         if self._failed:
             return
         params = getattr(request, "kv_transfer_params", None) or {}
-        record = {"request_id": request.request_id, "tag": params.get("kvtool_tag"), **details}
+        record = replace(details, request_id=request.request_id, tag=params.get("kvtool_tag")).to_dict()
         try:
             with open(self._path, "a", encoding="utf-8") as log:
                 log.write(json.dumps(record, separators=(",", ":")) + "\n")
@@ -300,10 +301,10 @@ class SchedulerSide:
         details = self.hit_details(tracked)
         if self._request_log is not None:
             self._request_log.write(request, details)
-        return False, {"kvtool": details}
+        return False, {"kvtool": details.to_dict()}
 
     @staticmethod
-    def hit_details(tracked: _Tracked) -> dict[str, Any]:
+    def hit_details(tracked: _Tracked) -> HitDetails:
         plan = tracked.plan
         local = tracked.local_tokens
         external = tracked.granted_external
@@ -315,25 +316,23 @@ class SchedulerSide:
             external = max(0, min(external, first_bad_token - local))
             block = min(block, external)
             lookup = f"load failed: {cause}"
-        return {
-            "prompt_tokens": len(tracked.keys.tokens),
-            "lookup": lookup,
-            "stored_prefix_tokens": tracked.stored_prefix_tokens,
-            "local_hit_tokens": local,
-            "external_hit_tokens": external,
-            "block_hit_tokens": block,
-            "tail_hit_tokens": external - block,
-            "load_failure": tracked.load_failure[1] if tracked.load_failure else None,
-            "save_objects": tracked.save_objects,
-            "save_tail_boundary": tracked.tail_boundary_saved,
-            # Puts run in order: once this key is in the store, every object of the save was tried.
-            "save_last_key": tracked.last_saved_key,
-            # Written after every put of the save: its presence means the save ended (see its state).
-            "watermark_key": watermark_key(tracked.keys.namespace, tracked.request.request_id, SEQ_FINAL)
+        return HitDetails(
+            prompt_tokens=len(tracked.keys.tokens),
+            lookup=lookup,
+            stored_prefix_tokens=tracked.stored_prefix_tokens,
+            local_hit_tokens=local,
+            external_hit_tokens=external,
+            block_hit_tokens=block,
+            tail_hit_tokens=external - block,
+            load_failure=tracked.load_failure[1] if tracked.load_failure else None,
+            save_objects=tracked.save_objects,
+            save_tail_boundary=tracked.tail_boundary_saved,
+            save_last_key=tracked.last_saved_key,
+            watermark_key=watermark_key(tracked.keys.namespace, tracked.request.request_id, SEQ_FINAL)
             if tracked.save_objects
             else None,
-            "namespace": tracked.keys.namespace,
-        }
+            namespace=tracked.keys.namespace,
+        )
 
     def _warn_once(self, topic: str, message: str) -> None:
         if topic not in self._warned:

@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from connector.hits import HitDetails
 from kvtool.admin import wait_for_key
 from kvtool.client import complete
 from kvtool.errors import ServerError, UserError
@@ -127,7 +128,7 @@ class RequestLogReader:
     def __init__(self, path: Path) -> None:
         self._path = path
         self._offset = path.stat().st_size if path.exists() else 0
-        self._by_tag: dict[str, dict[str, Any]] = {}
+        self._by_tag: dict[str, HitDetails] = {}
 
     def _read_new(self) -> None:
         if not self._path.exists():
@@ -139,13 +140,13 @@ class RequestLogReader:
         self._offset += len(complete_part)
         for line in complete_part.splitlines():
             try:
-                record = json.loads(line)
+                record = HitDetails.from_dict(json.loads(line))
             except ValueError:
                 continue
-            if record.get("tag"):
-                self._by_tag[record["tag"]] = record
+            if record.tag:
+                self._by_tag[record.tag] = record
 
-    def record(self, tag: str, timeout_s: float = REQUEST_LOG_WAIT_S) -> dict[str, Any] | None:
+    def record(self, tag: str, timeout_s: float = REQUEST_LOG_WAIT_S) -> HitDetails | None:
         deadline = time.monotonic() + timeout_s
         while True:
             self._read_new()
@@ -164,18 +165,11 @@ class Hit:
     lookup: str | None = None
 
 
-def kvtool_hit(record: dict[str, Any], cached_tokens: int) -> Hit:
-    """The kvtool connector's hit: its log's local + external tokens, split into block and tail.
-
-    The log reports a local hit only when the connector also loaded something (a request served
-    wholly from vLLM's own cache logs local_hit_tokens 0), so usage's cached_tokens, which counts
-    local and external reuse for every request, is the floor of the total.
-    """
-    logged = record["local_hit_tokens"] + record["external_hit_tokens"]
-    total = max(logged, cached_tokens)
-    tail = record["tail_hit_tokens"]
-    # vLLM's own prefix cache hits whole blocks only, so everything but the tail is block tokens.
-    return Hit(total, total - tail, tail, record["lookup"])
+def kvtool_hit(details: HitDetails) -> Hit:
+    """The kvtool connector's hit: vLLM's local hit plus what the connector loaded, split into block
+    and tail (vLLM's own prefix cache hits whole blocks only, so everything but the tail is blocks)."""
+    total, tail = details.reused_tokens, details.tail_hit_tokens
+    return Hit(total, total - tail, tail, details.lookup)
 
 
 def cached_tokens_hit(response: dict[str, Any]) -> Hit:
@@ -328,7 +322,7 @@ class PairRunner:
                     f"the consumer's request log {self.pair.request_logs and self.pair.request_logs['consumer']} "
                     f"has no line for request {tag}; is the consumer running the kvtool connector?"
                 )
-            hit = kvtool_hit(record, hit.tokens)
+            hit = kvtool_hit(record)
         matched, diff, reason = None, None, ""
         if self.config.verify:
             # prompt_logprobs makes vLLM skip every cache: the reference is a full recomputation.

@@ -88,7 +88,7 @@ def open_reader(target: Target) -> ObjectReader:
         )
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")  # keep its transfer engine on loopback
     from connector.config import ConfigError, load_config
-    from connector.store import MooncakeStore, StoreError
+    from connector.store import StoreError, open_store
 
     from kvtool.errors import ServerError
 
@@ -100,6 +100,6 @@ def open_reader(target: Target) -> ObjectReader:
         raise UserError(f"--master {target.master!r}: {exc}") from None
     try:
         with native_stderr_silenced():
-            return ObjectReader(MooncakeStore(config))
+            return ObjectReader(open_store(config))
     except StoreError as exc:
         raise ServerError(f"cannot read objects from the store: {exc}") from None

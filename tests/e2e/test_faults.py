@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from connector.config import load_config
-from connector.store import MooncakeStore
+from connector.store import open_store
 from connector.watermarks import SaveState, WatermarkRecord
 from kvtool.client import complete
 
@@ -37,7 +37,7 @@ def faults(pair: dict, **plan):
 @pytest.fixture(scope="module")
 def reader(pair):
     """A store client of the test's own, lending no memory, to read watermark records."""
-    client = MooncakeStore(load_config({"master_server_address": pair["master"], "global_segment_size": 0}))
+    client = open_store(load_config({"master_server_address": pair["master"], "global_segment_size": 0}))
     yield client
     client.close()
 

@@ -17,7 +17,7 @@ from connector.config import load_config
 from connector.hashing import RequestIdentity
 from connector.keys import decode_key
 from connector.prefix import PromptKeys
-from connector.store import MooncakeStore
+from connector.store import open_store
 
 from .pairtools import consume, produce, prompt
 
@@ -52,7 +52,7 @@ def predicted(ready_file: Path, tokens: list[int], namespace: str, *args: str) -
 
 def remove(pair: dict, key: str, timeout_s: float = 30.0) -> None:
     """Remove one object, retrying while a recent read's lease holds it (-706)."""
-    client = MooncakeStore(load_config({"master_server_address": pair["master"], "global_segment_size": 0}))
+    client = open_store(load_config({"master_server_address": pair["master"], "global_segment_size": 0}))
     try:
         deadline = time.monotonic() + timeout_s
         while (code := client.remove(key)) != 0:

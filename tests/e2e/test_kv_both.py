@@ -25,7 +25,7 @@ from connector.config import load_config
 from connector.hashing import RequestIdentity
 from connector.objects import HEADER_SIZE
 from connector.prefix import PromptKeys, plan_save
-from connector.store import MooncakeStore
+from connector.store import open_store
 from kvtool.client import complete
 from kvtool.procs import find_free_port, log_tail
 
@@ -114,7 +114,7 @@ def both_engine(pair, tmp_path_factory) -> Iterator[dict]:
 def payloads(pair: dict, tokens: list[int], namespace: str, salt: str | None) -> list[bytes | None]:
     """The payload (the KV bytes, without the header) of every object of ``tokens``' save."""
     keys = PromptKeys.build(tokens, pair["block_size"], 1, namespace, RequestIdentity(cache_salt=salt).root_hash())
-    store = MooncakeStore(load_config({"master_server_address": pair["master"], "global_segment_size": 0}))
+    store = open_store(load_config({"master_server_address": pair["master"], "global_segment_size": 0}))
     try:
         values = store.get([s.key for s in plan_save(keys)])
     finally:

@@ -33,8 +33,8 @@ def store_config(master):
 
 @pytest.fixture
 def store(store_config):
-    from connector.store import MooncakeStore
+    from connector.store import open_store
 
-    client = MooncakeStore(store_config)
+    client = open_store(store_config)
     yield client
     client.close()

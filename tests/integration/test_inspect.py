@@ -20,7 +20,7 @@ from connector.hashing import RequestIdentity
 from connector.keys import KeyKind, Namespace, watermark_key
 from connector.objects import ObjectHeader, encode_object
 from connector.prefix import PromptKeys, find_stored_prefix, plan_load, plan_save
-from connector.store import MooncakeStore, PutOutcome
+from connector.store import KVStore, PutOutcome, open_store
 from connector.watermarks import SEQ_FINAL, SEQ_PENDING, ObjectProgress, WatermarkRecord, watermark
 
 pytestmark = pytest.mark.integration
@@ -45,7 +45,7 @@ def prompt_keys(prompt: list[int], namespace: Namespace = NS) -> PromptKeys:
     return PromptKeys.build(prompt, BLOCK, 1, namespace.key_component(), RequestIdentity().root_hash())
 
 
-def produce(store: MooncakeStore, prompt: list[int], namespace: Namespace = NS, request_id: str | None = None):
+def produce(store: KVStore, prompt: list[int], namespace: Namespace = NS, request_id: str | None = None):
     """Publish a prompt as a producer does: a pending watermark, every full block, the tail, the final one."""
     keys = prompt_keys(prompt, namespace)
     saves = plan_save(keys)
@@ -63,14 +63,14 @@ def produce(store: MooncakeStore, prompt: list[int], namespace: Namespace = NS, 
     return keys, saves
 
 
-def put_record(store: MooncakeStore, namespace: Namespace, seq: int, record: WatermarkRecord) -> None:
+def put_record(store: KVStore, namespace: Namespace, seq: int, record: WatermarkRecord) -> None:
     key = watermark_key(namespace.key_component(), record.request_id, seq)
     assert store.put(key, record.encode()) is PutOutcome.STORED
 
 
 @pytest.fixture(scope="module")
 def producer(master):
-    store = MooncakeStore(
+    store = open_store(
         load_config(
             {"master_server_address": master.address, "global_segment_size": 64 << 20, "local_buffer_size": 16 << 20}
         )

@@ -6,7 +6,7 @@ import pytest
 
 from connector.keys import KeyKind, Namespace, block_key, tail_key
 from connector.objects import ObjectHeader, encode_object, verify_object
-from connector.store import MooncakeStore, PutOutcome, StoreError
+from connector.store import PutOutcome, StoreError, open_store
 
 pytestmark = pytest.mark.integration
 
@@ -62,7 +62,7 @@ def test_objects_are_immutable_first_put_wins(store):
 def test_an_unreachable_master_is_a_store_error(store_config):
     bad = store_config.model_copy(update={"master_server_address": "127.0.0.1:1", "connect_timeout_s": 5})
     with pytest.raises(StoreError):
-        MooncakeStore(bad)
+        open_store(bad)
 
 
 def test_a_batch_larger_than_the_transfer_buffer_is_split(store):

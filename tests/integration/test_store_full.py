@@ -12,7 +12,7 @@ from connector.hashing import RequestIdentity
 from connector.keys import KeyKind, Namespace, watermark_key
 from connector.objects import HEADER_SIZE
 from connector.prefix import PromptKeys, find_stored_prefix, plan_save
-from connector.store import MooncakeStore
+from connector.store import open_store
 from connector.watermarks import SaveState, WatermarkRecord
 from connector.worker import WorkerSide
 
@@ -29,7 +29,7 @@ def test_a_full_segment_fails_puts_and_a_consumer_never_sees_past_the_watermark(
     small = load_config(
         {"master_server_address": master.address, "global_segment_size": 16 << 20, "local_buffer_size": 16 << 20}
     )
-    store = MooncakeStore(small)
+    store = open_store(small)
     try:
         caches = {name: torch.randn(BLOCKS, 2, BLOCK, 128) for name in LAYERS}  # 64 KiB a block
         tokens = list(range(BLOCKS * BLOCK - 11))  # 319 full blocks + a 21-token tail: 20 MiB > 16 MiB

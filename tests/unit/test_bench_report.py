@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from connector.hits import HitDetails
 from kvtool.bench.command import parse_compare
 from kvtool.bench.report import bench_document, bucket_label, connector_report, percentile, summarize
 from kvtool.bench.runner import (
@@ -103,30 +104,39 @@ def test_plot_writes_a_png(tmp_path):
 
 
 def test_hits_from_the_request_log_and_from_usage():
-    record = {"local_hit_tokens": 32, "external_hit_tokens": 53, "block_hit_tokens": 32, "tail_hit_tokens": 21}
-    hit = kvtool_hit({**record, "lookup": "hit"}, cached_tokens=85)
-    assert (hit.tokens, hit.block_tokens, hit.tail_tokens) == (85, 64, 21)
-    # A request served wholly from vLLM's own cache: the log says 0, usage says 64.
-    local_only = {"local_hit_tokens": 0, "external_hit_tokens": 0, "block_hit_tokens": 0, "tail_hit_tokens": 0}
-    hit = kvtool_hit({**local_only, "lookup": "miss"}, cached_tokens=64)
+    record = HitDetails(85, "hit", local_hit_tokens=32, external_hit_tokens=53, block_hit_tokens=32, tail_hit_tokens=21)
+    hit = kvtool_hit(record)
+    assert (hit.tokens, hit.block_tokens, hit.tail_tokens, hit.lookup) == (85, 64, 21, "hit")
+    # A request served wholly from vLLM's own cache: the connector reports it as a local hit.
+    local_only = HitDetails(85, "miss", stored_prefix_tokens=64, local_hit_tokens=64)
+    hit = kvtool_hit(local_only)
     assert (hit.tokens, hit.block_tokens, hit.tail_tokens) == (64, 64, 0)
     usage = {"usage": {"prompt_tokens_details": {"cached_tokens": 64}}}
     assert (cached_tokens_hit(usage).tokens, cached_tokens_hit(usage).tail_tokens) == (64, 0)
     assert cached_tokens_hit({"usage": {"prompt_tokens_details": None}}).tokens == 0
 
 
+def test_hit_details_round_trip_and_ignore_fields_of_a_newer_connector():
+    details = HitDetails(40, "hit", external_hit_tokens=39, tail_hit_tokens=7, request_id="r", tag="t")
+    assert HitDetails.from_dict({**details.to_dict(), "a_newer_field": 1}) == details
+    assert "tag" not in HitDetails(1, "miss").to_dict()
+    with pytest.raises(ValueError):
+        HitDetails.from_dict({"lookup": "hit"})  # no prompt_tokens
+
+
 def test_request_log_reader_finds_tags_written_after_it_started(tmp_path):
     log = tmp_path / "consumer-requests.jsonl"
-    log.write_text(json.dumps({"tag": "old", "lookup": "miss"}) + "\n")
+    log.write_text(json.dumps({"tag": "old", "lookup": "miss", "prompt_tokens": 5}) + "\n")
     reader = RequestLogReader(log)
     with open(log, "a") as out:
-        out.write(json.dumps({"tag": "a", "lookup": "hit"}) + "\n" + '{"tag": "b", "lo')  # b: half written
-    assert reader.record("a", timeout_s=0)["lookup"] == "hit"
+        a = json.dumps({"tag": "a", "lookup": "hit", "prompt_tokens": 5})
+        out.write(a + "\n" + '{"tag": "b", "prompt_tokens": 5, "lo')  # b: half written
+    assert reader.record("a", timeout_s=0).lookup == "hit"
     assert reader.record("old", timeout_s=0) is None
     assert reader.record("b", timeout_s=0) is None
     with open(log, "a") as out:
         out.write('okup": "miss"}\n')
-    assert reader.record("b", timeout_s=0)["lookup"] == "miss"
+    assert reader.record("b", timeout_s=0).lookup == "miss"
 
 
 def test_compare_list_is_checked():

@@ -1,0 +1,61 @@
+"""A request's hit details: the one contract between the connector and whoever reads its hits.
+
+The scheduler side builds one per finished request and returns it to the client in the response's
+``kv_transfer_params["kvtool"]``; the request log (``request_log``) writes the same fields, plus the
+vLLM request id and the client's ``kvtool_tag``, one JSON line per request. ``kvtool bench``,
+``kvtool inspect`` and the tests parse both with ``HitDetails.from_dict``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+
+@dataclass(frozen=True)
+class HitDetails:
+    prompt_tokens: int
+    lookup: str  # "hit", "miss", "error: ...", "load failed: ...", "not looked up", ...
+    stored_prefix_tokens: int = 0  # the longest prefix the lookup found in the store
+    local_hit_tokens: int = 0  # vLLM's own (block-aligned) prefix-cache hit
+    external_hit_tokens: int = 0  # loaded from the store (what vLLM really reused of it)
+    block_hit_tokens: int = 0  # of external_hit_tokens, from full-block objects
+    tail_hit_tokens: int = 0  # of external_hit_tokens, from a tail object
+    load_failure: str | None = None  # cause, when the load failed and vLLM recomputed
+    save_objects: int = 0  # objects the save copied for its puts (a producer)
+    save_tail_boundary: int | None = None
+    save_last_key: str | None = None  # puts run in order: once it is stored, every put was tried
+    watermark_key: str | None = None  # written after every put of the save: the save ended
+    namespace: str = ""
+    # Only in request-log records: the vLLM request id and the client's kvtool_tag.
+    request_id: str | None = None
+    tag: str | None = None
+
+    @property
+    def reused_tokens(self) -> int:
+        """Prompt tokens not computed: vLLM's local hit plus what the connector loaded."""
+        return self.local_hit_tokens + self.external_hit_tokens
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        if self.request_id is None and self.tag is None:
+            del data["request_id"], data["tag"]
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> HitDetails:
+        """Parse a response's or a request log's details; fields of a newer connector are ignored.
+
+        Raises ValueError when a required field is missing."""
+        known = {f.name for f in fields(cls)}
+        try:
+            return cls(**{name: value for name, value in data.items() if name in known})
+        except TypeError as exc:
+            raise ValueError(f"not kvtool hit details: {exc}") from None
+
+    @classmethod
+    def from_response(cls, response: dict[str, Any]) -> HitDetails | None:
+        """The details in a /v1/completions response, or None when it carries none."""
+        params = response.get("kv_transfer_params") or {}
+        details = params.get("kvtool")
+        return cls.from_dict(details) if isinstance(details, dict) else None

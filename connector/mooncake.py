@@ -1,0 +1,105 @@
+"""The Mooncake backend of the store interface: ``mooncake.store.MooncakeDistributedStore``.
+
+Plain calls to the client, turned into the interface's answers (existence flags, bytes or None,
+put outcomes). Time-outs, the bounded call threads, fault injection and the circuit breaker are not
+here: they wrap any ``KVStore`` (``store.TimedStore``, ``faults.FaultyStore``, ``breaker.GuardedStore``),
+and ``store.open_store`` stacks them.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Sequence
+
+from .calls import BoundedCalls, StoreError
+from .config import KVToolConfig
+from .store import PutOutcome
+
+logger = logging.getLogger("vllm.kvtool")
+
+# Mooncake error codes seen on these machines (see ENVIRONMENT.md).
+_NO_SPACE = -200
+
+
+class MooncakeStore:
+    """``KVStore`` over ``mooncake.store.MooncakeDistributedStore``."""
+
+    def __init__(self, config: KVToolConfig):
+        self._config = config
+        # Only the connection runs here under a time-out; every other call is bounded by TimedStore.
+        self._setup = BoundedCalls("kvtool-connect", limit=1)
+        self._client = self._setup.call(self._connect, config.connect_timeout_s, "connecting to the Mooncake master")
+
+    def _connect(self):
+        from mooncake.store import MooncakeDistributedStore
+
+        # The client's setup holds the GIL while it retries an absent master for about 90 s, so
+        # no Python-side time-out can cut it short: ask the master's port first.
+        _check_reachable(self._config.master_server_address, self._config.connect_timeout_s)
+
+        client = MooncakeDistributedStore()
+        code = client.setup(
+            self._config.local_hostname,
+            self._config.metadata_server,
+            self._config.global_segment_size,
+            self._config.local_buffer_size,
+            self._config.protocol,
+            self._config.device_name,
+            self._config.master_server_address,
+        )
+        if code != 0:
+            raise StoreError(f"Mooncake setup returned {code} for master {self._config.master_server_address}")
+        return client
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        if not keys:
+            return []
+        codes = self._client.batch_is_exist(list(keys))
+        if len(codes) != len(keys):
+            raise StoreError(f"existence query answered {len(codes)} of {len(keys)} keys")
+        if all(code < 0 for code in codes):
+            raise StoreError(f"existence query failed with code {codes[0]}")
+        return [code == 1 for code in codes]
+
+    def get(self, keys: Sequence[str], object_bytes: int = 0) -> list[bytes | None]:
+        if not keys:
+            return []
+        # The bytes API fails a batch larger than the client's transfer buffer: split it.
+        per_batch = max(1, (self._config.local_buffer_size // 2) // object_bytes) if object_bytes else len(keys)
+        batches = [list(keys[i : i + per_batch]) for i in range(0, len(keys), per_batch)]
+        values = [value for batch in batches for value in self._client.get_batch(batch)]
+        if len(values) != len(keys):
+            raise StoreError(f"object load answered {len(values)} of {len(keys)} keys")
+        # The bytes API answers b"" for a missing key and for a failed transfer alike.
+        return [bytes(value) if value else None for value in values]
+
+    def put(self, key: str, value: bytes) -> PutOutcome:
+        code = self._client.put(key, value)
+        if code == 0:
+            return PutOutcome.STORED
+        if code == _NO_SPACE:
+            return PutOutcome.NO_SPACE
+        logger.debug("kvtool: put of %s returned %s", key, code)
+        return PutOutcome.FAILED
+
+    def remove(self, key: str) -> int:
+        return self._client.remove(key)
+
+    def close(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            try:
+                self._setup.call(client.close, 5.0, "closing the store client")
+            except StoreError as exc:
+                logger.warning("kvtool: %s", exc)
+        self._setup.shutdown()
+
+
+def _check_reachable(address: str, timeout_s: float) -> None:
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            pass
+    except OSError as exc:
+        raise StoreError(f"the Mooncake master at {address} is not reachable ({exc.strerror or exc})") from None
