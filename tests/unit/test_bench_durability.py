@@ -55,8 +55,8 @@ def test_kvtool_waits_for_the_last_saved_key(admin_url):
         {"kv_transfer_params": {"kvtool": {"save_last_key": "kvtool/1/ns/t/20/abc", "save_objects": 1}}}
     )
     assert saved == 1
-    waited_ms, timed_out = durability.wait()
-    assert not timed_out and waited_ms < 2000
+    _, timed_out = durability.wait()
+    assert not timed_out  # the key was there: it ended on the signal, not on the time-out
     assert durability.wait() is None
 
 
@@ -69,10 +69,11 @@ def test_a_key_that_never_appears_is_a_counted_timeout(admin_url):
 
 def test_without_a_signal_it_waits_for_the_key_count_to_go_quiet(admin_url):
     FakeAdmin.key_counts = [3, 4, 5, 5]
-    durability = Durability(pair(admin_url, "vllm-mooncake-store"), timeout_s=5.0)
+    durability = Durability(pair(admin_url, "vllm-mooncake-store"), timeout_s=30.0)
     assert durability.published({"choices": []}) is None
-    waited_ms, timed_out = durability.wait()
-    assert not timed_out and waited_ms >= 500
+    _, timed_out = durability.wait()
+    assert not timed_out
+    assert FakeAdmin.key_counts == [5]  # it read the count until it stopped changing
 
 
 def test_no_connector_has_nothing_to_wait_for(admin_url):

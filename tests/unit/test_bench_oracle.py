@@ -32,9 +32,12 @@ def test_ideal_hit_is_a_capped_reusable_prefix_of_an_earlier_prompt(prompt, publ
     assert 0 <= ideal <= max(0, len(prompt) - 1)
     if ideal:
         assert any(prompt[:ideal] == earlier[:ideal] for earlier in published)
-    # Nothing on the grid beyond it would do: the best shared prefix, rounded to the grid, capped.
-    best = max((naive_common_prefix(prompt, p) for p in published), default=0)
-    assert ideal == max(0, min(on_reuse_grid(best, block, unit), len(prompt) - 1))
+        assert ideal % unit == 0 or ideal % block == 0  # a boundary a store can hold
+    # And it is the longest such: no boundary on the grid beyond it is a shared, takeable prefix.
+    for boundary in range(ideal + 1, len(prompt)):
+        on_grid = boundary % unit == 0 or boundary % block == 0
+        shared = any(prompt[:boundary] == earlier[:boundary] for earlier in published)
+        assert not (on_grid and shared), boundary
 
 
 def test_grid_counts_block_ends_and_hash_unit_multiples():
