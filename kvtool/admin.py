@@ -1,16 +1,65 @@
-"""The Mooncake master's admin HTTP endpoints (its metrics port).
+"""The store's admin side: what kvtool inspect and kvtool bench ask of a store besides objects.
 
+``StoreAdmin`` is the interface (list keys, one key's existence, stored sizes, metrics, health);
+``MooncakeAdmin`` implements it over the Mooncake master's admin HTTP endpoints (its metrics port).
 The master does not URL-decode query strings, so keys go into URLs raw; kvtool's keys use only
-``[a-z0-9/]``, which need no escaping.
+``[a-z0-9/]``, which need no escaping. The module-level functions are the same calls by URL.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Protocol
 
 import httpx
 
+from kvtool import prometheus
 from kvtool.errors import ServerError, UserError
+
+
+class StoreAdmin(Protocol):
+    def keys(self) -> list[str]: ...
+
+    def exists(self, key: str) -> bool: ...
+
+    def sizes(self, keys: list[str]) -> dict[str, int | None]: ...
+
+    def metrics(self) -> dict[str, float]: ...
+
+    def key_count(self) -> float | None: ...
+
+    def healthy(self) -> bool: ...
+
+
+class MooncakeAdmin:
+    """``StoreAdmin`` over a Mooncake master's admin URL (e.g. http://127.0.0.1:9003)."""
+
+    def __init__(self, url: str):
+        self.url = url
+
+    def keys(self) -> list[str]:
+        return all_keys(self.url)
+
+    def exists(self, key: str) -> bool:
+        return key_exists(self.url, key)
+
+    def wait_for(self, key: str, timeout_s: float = 60.0) -> bool:
+        return wait_for_key(self.url, key, timeout_s)
+
+    def sizes(self, keys: list[str]) -> dict[str, int | None]:
+        return object_sizes(self.url, keys)
+
+    def metrics(self) -> dict[str, float]:
+        return prometheus.samples(metrics_text(self.url))
+
+    def key_count(self) -> float | None:
+        return prometheus.total(metrics_text(self.url), "master_key_count")
+
+    def healthy(self) -> bool:
+        try:
+            return httpx.get(f"{self.url.rstrip('/')}/health", timeout=2.0).status_code == 200
+        except httpx.HTTPError:
+            return False
 
 
 def key_exists(admin_url: str, key: str, timeout_s: float = 5.0) -> bool:

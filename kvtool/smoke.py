@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from kvtool import prometheus
 from rich.console import Console
 from rich.table import Table
 
@@ -37,13 +39,7 @@ def model_vocab_size(model: Path) -> int:
         raise UserError(f"cannot read vocab_size from {model / 'config.json'}: {exc}") from None
 
 
-def metric_total(metrics_text: str, name: str) -> float | None:
-    """Sum of a Prometheus metric over all its label sets; None when absent."""
-    total = None
-    for line in metrics_text.splitlines():
-        if line.startswith(name) and line[len(name) : len(name) + 1] in (" ", "{"):
-            total = (total or 0.0) + float(line.rsplit(" ", 1)[1])
-    return total
+metric_total = prometheus.total  # the one Prometheus parser (kvtool/prometheus.py)
 
 
 def _metrics(url: str) -> str:

@@ -13,15 +13,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from connector.hits import HitDetails
-from kvtool.admin import wait_for_key
+from kvtool.admin import MooncakeAdmin, wait_for_key
 from kvtool.client import complete
 from kvtool.errors import ServerError, UserError
 from kvtool.procs import http_ok
-from kvtool.smoke import metric_total
 from kvtool.verify import compare_answers
 
 from .config import TOP_LOGPROBS, BenchConfig
@@ -222,14 +220,11 @@ class Durability:
     def _wait_key_count_quiet(self) -> bool:
         """Fallback without a signal: the master's key count has not changed for KEY_COUNT_QUIET_S."""
         assert self._pair.admin is not None
-        url = self._pair.admin.rstrip("/") + "/metrics"
+        store = MooncakeAdmin(self._pair.admin)
         deadline = time.monotonic() + self._timeout_s
         last, quiet_since = None, time.monotonic()
         while time.monotonic() < deadline:
-            try:
-                count = metric_total(httpx.get(url, timeout=5.0).text, "master_key_count")
-            except httpx.HTTPError as exc:
-                raise ServerError(f"the Mooncake master admin at {self._pair.admin} did not answer: {exc}") from None
+            count = store.key_count()
             now = time.monotonic()
             if count != last:
                 last, quiet_since = count, now

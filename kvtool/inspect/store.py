@@ -24,20 +24,6 @@ STORE_METRICS = {
 }
 
 
-def parse_prometheus(text: str) -> dict[str, float]:
-    """Unlabelled samples of a Prometheus text page (labelled ones keep their labels in the name)."""
-    samples: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name, _, value = line.rpartition(" ")
-        try:
-            samples[name.strip()] = float(value)
-        except ValueError:
-            continue
-    return samples
-
-
 def store_summary(samples: dict[str, float], high_watermark: float | None) -> dict:
     """The store's numbers; missing metrics are None. ``high_watermark`` None means the master default."""
     summary: dict = {}
@@ -58,7 +44,7 @@ def store_summary(samples: dict[str, float], high_watermark: float | None) -> di
 
 
 def store_report(admin_url: str, high_watermark: float | None) -> Report:
-    summary = store_summary(parse_prometheus(admin.metrics_text(admin_url)), high_watermark)
+    summary = store_summary(admin.MooncakeAdmin(admin_url).metrics(), high_watermark)
     rows = [{"metric": name, "value": _human(name, value)} for name, value in summary.items()]
     notes = []
     if not summary["capacity_bytes"]:

@@ -32,12 +32,15 @@ def test_ideal_hit_is_a_capped_reusable_prefix_of_an_earlier_prompt(prompt, publ
     assert 0 <= ideal <= max(0, len(prompt) - 1)
     if ideal:
         assert any(prompt[:ideal] == earlier[:ideal] for earlier in published)
-        assert ideal % unit == 0 or ideal % block == 0  # a boundary a store can hold
-    # And it is the longest such: no boundary on the grid beyond it is a shared, takeable prefix.
-    for boundary in range(ideal + 1, len(prompt)):
+    # By enumeration: the longest boundary a store can hold (a block end or a hash-unit multiple)
+    # that an earlier prompt shares, then capped one short of the prompt (a load may claim part of
+    # the object holding it).
+    def storable_and_shared(boundary):
         on_grid = boundary % unit == 0 or boundary % block == 0
-        shared = any(prompt[:boundary] == earlier[:boundary] for earlier in published)
-        assert not (on_grid and shared), boundary
+        return on_grid and any(prompt[:boundary] == earlier[:boundary] for earlier in published)
+
+    best = max((b for b in range(len(prompt) + 1) if storable_and_shared(b)), default=0)
+    assert ideal == min(best, max(0, len(prompt) - 1))
 
 
 def test_grid_counts_block_ends_and_hash_unit_multiples():

@@ -2,7 +2,8 @@
 
 from connector.keys import Namespace, watermark_key
 from connector.watermarks import SaveState, WatermarkRecord
-from kvtool.inspect.store import DEFAULT_EVICTION_HIGH_WATERMARK, parse_prometheus, store_summary
+from kvtool.inspect.store import DEFAULT_EVICTION_HIGH_WATERMARK, store_summary
+from kvtool.prometheus import samples as parse_prometheus
 from kvtool.inspect.watermarks import latest_record_keys, load_records, watermark_rows
 
 PAGE = """# HELP master_key_count Total number of keys
@@ -42,3 +43,11 @@ def test_watermark_rows_show_the_record_or_why_it_is_unreadable():
     by_state = {row["state"]: row for row in rows}
     assert by_state["durable"]["durable_offset"] == 64 and by_state["durable"]["tail_boundary"] == 85
     assert sorted(row["state"] for row in rows) == ["durable", "unreadable", "unreadable"]
+
+
+def test_one_prometheus_parser_sums_label_sets_and_keeps_labelled_names():
+    from kvtool import prometheus
+
+    page = 'x_total{engine="0"} 2\nx_total{engine="1"} 3\n# HELP y\ny 1.5\nbad line\n'
+    assert prometheus.total(page, "x_total") == 5.0 and prometheus.total(page, "x") is None
+    assert prometheus.samples(page) == {'x_total{engine="0"}': 2.0, 'x_total{engine="1"}': 3.0, "y": 1.5}
