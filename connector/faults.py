@@ -65,11 +65,12 @@ class FaultyStore:
         self._store = store
         self._control_file = control_file
         self._plan = FaultPlan()
-        self._stamp: float | None = None
+        self._stamp: tuple[int, int, int] | None = None
 
     def plan(self) -> FaultPlan:
         try:
-            stamp = os.stat(self._control_file).st_mtime_ns
+            info = os.stat(self._control_file)
+            stamp = (info.st_mtime_ns, info.st_size, info.st_ino)  # two writes within one tick differ too
         except OSError:
             self._plan, self._stamp = FaultPlan(), None
             return self._plan
