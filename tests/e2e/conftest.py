@@ -14,13 +14,11 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from kvtool import client
 from kvtool.procs import find_free_port, log_tail
 
 from .pairtools import PairMaster
@@ -114,39 +112,6 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         yield info
     finally:
         _stop(process)
-
-
-@dataclass
-class PairClient:
-    """Requests against the pair, with its model filled in."""
-
-    info: dict[str, Any]
-
-    @property
-    def model(self) -> str:
-        return self.info["model"]
-
-    def producer(self, prompt_token_ids: list[int], **kwargs: Any) -> dict[str, Any]:
-        kwargs.setdefault("max_tokens", 1)
-        return client.complete(self.info["producer"], self.model, prompt_token_ids, **kwargs)
-
-    def consumer(self, prompt_token_ids: list[int], **kwargs: Any) -> dict[str, Any]:
-        kwargs.setdefault("max_tokens", 8)
-        return client.complete(self.info["consumer"], self.model, prompt_token_ids, **kwargs)
-
-    def recompute(self, base_url: str, prompt_token_ids: list[int], **kwargs: Any) -> dict[str, Any]:
-        """The reference: prompt_logprobs makes vLLM skip every cache and compute the prompt afresh."""
-        kwargs.setdefault("max_tokens", 8)
-        kwargs.setdefault("prompt_logprobs", 1)
-        return client.complete(base_url, self.model, prompt_token_ids, **kwargs)
-
-    def log(self, name: str, lines: int = 40) -> str:
-        return log_tail(Path(self.info["log_dir"]) / f"{name}.log", lines)
-
-
-@pytest.fixture(scope="session")
-def pair_client(pair: dict[str, Any]) -> PairClient:
-    return PairClient(pair)
 
 
 @pytest.fixture
