@@ -104,6 +104,13 @@ ConnectorFlag = Annotated[
         help="kvtool (partial-tail connector), vllm-mooncake-store (vLLM's in-tree, whole blocks only) or none"
     ),
 ]
+RolesFlag = Annotated[
+    str,
+    typer.Option(
+        help="pd: the producer saves (kv_producer) and the consumer loads (kv_consumer); both: each engine "
+        "loads and saves (kv_both). Needs a connector (kvtool or vllm-mooncake-store)"
+    ),
+]
 LogDirFlag = Annotated[
     Path | None,
     typer.Option(help="where the processes' logs go \\[default: ./logs/serve-pair-<timestamp>]"),
@@ -118,6 +125,7 @@ EnforceEagerFlag = Annotated[bool, typer.Option(help="pass --enforce-eager to vL
 StartupTimeoutFlag = Annotated[float, typer.Option(help="seconds to wait for both servers to be healthy")]
 
 CONNECTOR_CHOICES = ("kvtool", "vllm-mooncake-store", "none")
+ROLES_CHOICES = ("pd", "both")
 
 
 def build_pair_config(
@@ -136,6 +144,7 @@ def build_pair_config(
     connector: str,
     log_dir: Path | None,
     ready_file: Path | None,
+    roles: str = "pd",
     kv_cache_gib: float,
     memory_utilization: float,
     dtype: str,
@@ -151,6 +160,7 @@ def build_pair_config(
     choices = {
         "store": (store, ("embedded", "standalone")),
         "connector": (connector, CONNECTOR_CHOICES),
+        "roles": (roles, ROLES_CHOICES),
     }
     for flag, (value, allowed) in choices.items():
         if value not in allowed:
@@ -172,6 +182,7 @@ def build_pair_config(
             hash_unit=hash_unit,
             store=store,
             connector=connector,
+            roles=roles,
             log_dir=chosen_log_dir,
             ready_file=ready_file.resolve() if ready_file else None,
             kv_cache_gib=kv_cache_gib,
@@ -201,6 +212,7 @@ def serve_pair_command(
     hash_unit: HashUnitFlag = 1,
     store: StoreFlag = "embedded",
     connector: ConnectorFlag = "kvtool",
+    roles: RolesFlag = "pd",
     log_dir: LogDirFlag = None,
     ready_file: Annotated[
         Path | None,
@@ -237,6 +249,7 @@ def serve_pair_command(
         hash_unit=hash_unit,
         store=store,
         connector=connector,
+        roles=roles,
         log_dir=log_dir,
         ready_file=ready_file,
         kv_cache_gib=kv_cache_gib,
@@ -262,8 +275,8 @@ def serve_pair_command(
             table.add_row(name, str(pid), addresses.get(name, ""), str(Path(info["log_dir"]) / f"{name}.log"))
         out.print(table)
         out.print(
-            f"model: {info['model']}\nconnector: {info['connector']}  store: {info['store']}  "
-            f"block size: {info['block_size']}  hash unit: {info['hash_unit']}",
+            f"model: {info['model']}\nconnector: {info['connector']}  roles: {info['roles']}  "
+            f"store: {info['store']}  block size: {info['block_size']}  hash unit: {info['hash_unit']}",
             soft_wrap=True,
             highlight=False,
         )
@@ -325,6 +338,7 @@ def bench_command(
     hash_unit: HashUnitFlag = 1,
     store: StoreFlag = "embedded",
     connector: ConnectorFlag = "kvtool",
+    roles: RolesFlag = "pd",
     log_dir: LogDirFlag = None,
     kv_cache_gib: KvCacheFlag = 1.0,
     memory_utilization: MemoryUtilizationFlag = 0.3,
@@ -376,6 +390,7 @@ def bench_command(
             hash_unit=hash_unit,
             store=store,
             connector=connector,
+            roles=roles,
             log_dir=log_dir,
             ready_file=None,
             kv_cache_gib=kv_cache_gib,

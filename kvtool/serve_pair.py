@@ -24,6 +24,7 @@ from kvtool.procs import LOOPBACK, ensure_port_free, tcp_port_open
 
 ConnectorChoice = Literal["kvtool", "vllm-mooncake-store", "none"]
 StoreChoice = Literal["embedded", "standalone"]
+RolesChoice = Literal["pd", "both"]  # pd: kv_producer + kv_consumer; both: kv_both on each engine
 Role = Literal["producer", "consumer"]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -52,6 +53,7 @@ class ServePairConfig(BaseModel):
     hash_unit: int = Field(default=1, gt=0)
     store: StoreChoice = "embedded"
     connector: ConnectorChoice = "kvtool"
+    roles: RolesChoice = "pd"
     log_dir: Path
     ready_file: Path | None = None
     dtype: str = "float32"  # vLLM's "auto" would downcast the float32 test models to bf16
@@ -142,10 +144,17 @@ def vllm_mooncake_file_config(
     return config
 
 
+def kv_role_for(cfg: ServePairConfig, role: Role) -> str:
+    """vLLM's kv_role of an engine: with roles "both" each engine loads and saves (kv_both)."""
+    if cfg.roles == "both":
+        return "kv_both"
+    return "kv_producer" if role == "producer" else "kv_consumer"
+
+
 def kv_transfer_config(cfg: ServePairConfig, role: Role) -> dict[str, Any] | None:
-    kv_role = "kv_producer" if role == "producer" else "kv_consumer"
     if cfg.connector == "none":
         return None
+    kv_role = kv_role_for(cfg, role)
     # A failed load recomputes instead of failing the request: a store is a cache, not a source of truth.
     if cfg.connector == "vllm-mooncake-store":
         return {
@@ -324,6 +333,10 @@ def preflight(cfg: ServePairConfig) -> None:
         )
     if cfg.connector == "none" and cfg.store == "standalone":
         raise UserError("--store standalone needs a connector; drop it or pick --connector kvtool")
+    if cfg.connector == "none" and cfg.roles != "pd":
+        raise UserError(
+            f"--roles {cfg.roles} needs a connector; drop it or pick --connector kvtool or vllm-mooncake-store"
+        )
 
     ports: list[tuple[int, str]] = [
         (cfg.producer_port, "--producer-port"),
@@ -379,6 +392,7 @@ def ready_info(
         "hash_unit": cfg.hash_unit,
         "max_model_len": cfg.max_model_len,
         "connector": cfg.connector,
+        "roles": cfg.roles if cfg.uses_mooncake else None,  # pd (producer/consumer) or both (kv_both)
         "store": cfg.store if cfg.uses_mooncake else None,
         "store_address": f"{LOOPBACK}:{cfg.store_port}" if cfg.starts_store else None,
         "log_dir": str(cfg.log_dir),

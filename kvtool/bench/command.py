@@ -81,8 +81,11 @@ def run_workloads(
     return runs
 
 
-def launch_config(cfg: ServePairConfig, connector: str) -> ServePairConfig:
-    return cfg.model_copy(update={"connector": connector, "log_dir": cfg.log_dir / connector, "ready_file": None})
+def launch_config(cfg: ServePairConfig, connector: str, compare: bool = False) -> ServePairConfig:
+    update: dict[str, Any] = {"connector": connector, "log_dir": cfg.log_dir / connector, "ready_file": None}
+    if compare and connector == "none":
+        update["roles"] = "pd"  # the baseline without a connector has no roles; --roles applies to the others
+    return cfg.model_copy(update=update)
 
 
 def run_bench(
@@ -117,7 +120,7 @@ def run_bench(
         reports = {}
         # One pair at a time: each is stopped before the next starts (they share ports and cores).
         for connector in connectors:
-            one = launch_config(launch, connector)
+            one = launch_config(launch, connector, compare=bool(compare))
             say(f"launching a {connector} pair (logs in {one.log_dir})")
             try:
                 with launched_pair(one, say) as (info, _procs):

@@ -87,6 +87,69 @@ def test_kvtool_connector_transfer_config(tmp_path, role, kv_role):
     assert transfer["kv_connector_extra_config"]["request_log"].endswith(f"{role}-requests.jsonl")
 
 
+@pytest.mark.parametrize("role", ["producer", "consumer"])
+def test_roles_both_makes_each_kvtool_engine_kv_both(tmp_path, role):
+    cfg = make_config(tmp_path, master_port=6000, roles="both")
+    transfer = kv_transfer_config(cfg, role)
+    assert transfer == {
+        "kv_connector": "KVToolConnector",
+        "kv_connector_module_path": "connector.connector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": kvtool_extra_config("127.0.0.1:6000", request_log=request_log_path(cfg, role)),
+    }
+    # Each engine keeps its own request log: both now save and load.
+    assert transfer["kv_connector_extra_config"]["request_log"].endswith(f"{role}-requests.jsonl")
+    assert json.loads(flag_value(engine_argv(cfg, role, python="python"), "--kv-transfer-config")) == transfer
+
+
+def test_roles_default_to_producer_and_consumer(tmp_path):
+    cfg = make_config(tmp_path)
+    assert cfg.roles == "pd"
+    assert [kv_transfer_config(cfg, role)["kv_role"] for role in ("producer", "consumer")] == [
+        "kv_producer",
+        "kv_consumer",
+    ]
+
+
+@pytest.mark.parametrize("roles, kv_roles", [("pd", ["kv_producer", "kv_consumer"]), ("both", ["kv_both", "kv_both"])])
+def test_roles_with_vllms_store_connector(tmp_path, roles, kv_roles):
+    cfg = make_config(tmp_path, connector="vllm-mooncake-store", roles=roles)
+    transfers = [kv_transfer_config(cfg, role) for role in ("producer", "consumer")]
+    assert [t["kv_role"] for t in transfers] == kv_roles
+    assert all(
+        t == {"kv_connector": "MooncakeStoreConnector", "kv_role": kv, "kv_load_failure_policy": "recompute"}
+        for t, kv in zip(transfers, kv_roles, strict=True)
+    )
+
+
+def test_roles_both_without_a_connector_is_refused(tmp_path, model_dir):
+    cfg = make_config(tmp_path, model_dir, connector="none", roles="both")
+    with pytest.raises(UserError) as caught:
+        preflight(cfg)
+    assert caught.value.message == (
+        "--roles both needs a connector; drop it or pick --connector kvtool or vllm-mooncake-store"
+    )
+    assert kv_transfer_config(cfg, "producer") is None
+
+
+def test_unknown_roles_value_is_refused():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError):
+        ServePairConfig(model=Path("/m"), log_dir=Path("/l"), roles="kv_both")
+
+
+def test_bench_compare_runs_the_no_connector_baseline_without_roles(tmp_path):
+    from kvtool.bench.command import launch_config
+
+    cfg = make_config(tmp_path, roles="both")
+    assert launch_config(cfg, "kvtool", compare=True).roles == "both"
+    assert launch_config(cfg, "vllm-mooncake-store", compare=True).roles == "both"
+    assert launch_config(cfg, "none", compare=True).roles == "pd"
+    assert launch_config(cfg, "none").roles == "both"  # alone, preflight refuses it with one sentence
+
+
 def test_kv_load_failure_policy_exists_in_installed_vllm():
     kv_transfer = pytest.importorskip("vllm.config.kv_transfer")
     assert "recompute" in str(kv_transfer.KVTransferConfig.__dataclass_fields__["kv_load_failure_policy"].type)
@@ -177,6 +240,7 @@ def test_ready_info_content(tmp_path):
         "hash_unit": 1,
         "max_model_len": 2048,
         "connector": "kvtool",
+        "roles": "pd",
         "store": "embedded",
         "store_address": None,
         "log_dir": str(tmp_path / "logs"),
@@ -203,6 +267,12 @@ def test_an_external_master_has_an_admin_url_but_no_pid(tmp_path):
         {},
     )
     assert admin_url_for(make_config(tmp_path, connector="none")) is None
+
+
+@pytest.mark.parametrize("connector, roles, written", [("kvtool", "both", "both"), ("none", "pd", None)])
+def test_ready_info_names_the_roles(tmp_path, connector, roles, written):
+    cfg = make_config(tmp_path, connector=connector, roles=roles)
+    assert ready_info(cfg, {"producer": 2, "consumer": 3}, admin_url_for(cfg))["roles"] == written
 
 
 def test_port_in_use_names_the_flag():
@@ -284,6 +354,21 @@ def test_cli_port_in_use_is_one_line(tmp_path, model_dir):
 def test_cli_unknown_connector_is_one_line(tmp_path, model_dir):
     result = runner.invoke(app, ["serve-pair", "--model", str(model_dir), "--connector", "nope"])
     assert_one_line_error(result, "--connector", "kvtool")
+
+
+def test_cli_unknown_roles_is_one_line(tmp_path, model_dir):
+    result = runner.invoke(app, ["serve-pair", "--model", str(model_dir), "--roles", "kv_both"])
+    assert_one_line_error(result, "--roles 'kv_both' is not one of: pd, both")
+
+
+def test_cli_roles_both_without_a_connector_is_one_line(tmp_path, model_dir):
+    result = runner.invoke(
+        app,
+        ["serve-pair", "--model", str(model_dir), "--connector", "none", "--roles", "both"]
+        + ["--log-dir", str(tmp_path / "l")],
+    )
+    assert_one_line_error(result, "--roles both needs a connector")
+    assert result.exit_code == 2
 
 
 def test_cli_missing_binary_is_one_line(tmp_path, model_dir, monkeypatch):
