@@ -20,6 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvtool.errors import UserError
+from kvtool.ready import ReadyFile
 from kvtool.procs import LOOPBACK, ensure_port_free, tcp_port_open
 
 ConnectorChoice = Literal["kvtool", "vllm-mooncake-store", "none"]
@@ -380,28 +381,29 @@ def admin_url_for(cfg: ServePairConfig) -> str | None:
 def ready_info(
     cfg: ServePairConfig, pids: dict[str, int], admin_url: str | None, restarts: dict[str, int] | None = None
 ) -> dict[str, Any]:
-    """What the ready file holds; rewritten whenever a supervised process gets a new pid."""
-    return {
-        "producer": cfg.base_url("producer"),
-        "consumer": cfg.base_url("consumer"),
-        "master": cfg.master_address,
-        "admin": admin_url,
-        "master_pid": pids.get("master"),  # None when --master names a master kvtool does not run
-        "model": str(cfg.model),
-        "block_size": cfg.block_size,
-        "hash_unit": cfg.hash_unit,
-        "max_model_len": cfg.max_model_len,
-        "connector": cfg.connector,
-        "roles": cfg.roles if cfg.uses_mooncake else None,  # pd (producer/consumer) or both (kv_both)
-        "store": cfg.store if cfg.uses_mooncake else None,
-        "store_address": f"{LOOPBACK}:{cfg.store_port}" if cfg.starts_store else None,
-        "log_dir": str(cfg.log_dir),
-        "request_logs": {role: str(request_log_path(cfg, role)) for role in ("producer", "consumer")}
+    """What the ready file holds (kvtool/ready.py), as JSON; rewritten whenever a supervised process
+    gets a new pid."""
+    return ReadyFile(
+        producer=cfg.base_url("producer"),
+        consumer=cfg.base_url("consumer"),
+        master=cfg.master_address,
+        admin=admin_url,
+        master_pid=pids.get("master"),  # None when --master names a master kvtool does not run
+        model=str(cfg.model),
+        block_size=cfg.block_size,
+        hash_unit=cfg.hash_unit,
+        max_model_len=cfg.max_model_len,
+        connector=cfg.connector,
+        roles=cfg.roles if cfg.uses_mooncake else None,
+        store=cfg.store if cfg.uses_mooncake else None,
+        store_address=f"{LOOPBACK}:{cfg.store_port}" if cfg.starts_store else None,
+        log_dir=str(cfg.log_dir),
+        request_logs={role: str(request_log_path(cfg, role)) for role in ("producer", "consumer")}
         if cfg.connector == "kvtool"
         else None,
-        "pids": pids,
-        "restarts": restarts or {},  # supervised process -> times serve-pair started it again
-    }
+        pids=pids,
+        restarts=restarts or {},
+    ).to_json()
 
 
 def write_json_atomically(path: Path, content: dict[str, Any]) -> None:

@@ -124,7 +124,7 @@ def run_bench(
             say(f"launching a {connector} pair (logs in {one.log_dir})")
             try:
                 with launched_pair(one, say) as (info, _procs):
-                    pair = pair_info({**info, "max_model_len": launch.max_model_len}, "the launched pair")
+                    pair = pair_info(info, "the launched pair")
                     runs = run_workloads(pair, config, planned, console)
                     reports[connector] = connector_report(runs, launch.block_size)
             except UserError as exc:

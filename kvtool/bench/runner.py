@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
 
 from connector.hits import HitDetails
 from kvtool.admin import MooncakeAdmin, wait_for_key
+from kvtool.ready import ReadyFile, parse_ready_file, read_ready_file
 from kvtool.client import complete
 from kvtool.errors import ServerError, UserError
 from kvtool.procs import http_ok
@@ -30,43 +30,10 @@ KEY_COUNT_POLL_S = 0.1
 REQUEST_LOG_WAIT_S = 5.0
 
 
-class PairInfo(BaseModel):
-    """The part of serve-pair's ready file the bench uses."""
-
-    model_config = ConfigDict(frozen=True, extra="ignore")
-
-    producer: str
-    consumer: str
-    admin: str | None
-    model: str
-    block_size: int
-    hash_unit: int
-    connector: str
-    max_model_len: int = 2048
-    request_logs: dict[str, str] | None = None
-
-
-def load_pair_info(ready_file: Path) -> PairInfo:
-    try:
-        content = json.loads(ready_file.read_text())
-    except OSError as exc:
-        raise UserError(
-            f"cannot read the ready file {ready_file} ({exc.strerror or exc}); "
-            "start a pair with kvtool serve-pair --ready-file PATH or use --launch"
-        ) from None
-    except ValueError:
-        raise UserError(f"{ready_file} is not JSON; pass the file kvtool serve-pair --ready-file writes") from None
-    return pair_info(content, str(ready_file))
-
-
-def pair_info(content: Any, source: str) -> PairInfo:
-    if not isinstance(content, dict):
-        raise UserError(f"{source} is not a serve-pair ready file (a JSON object)")
-    try:
-        return PairInfo.model_validate(content)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        raise UserError(f"{source} is not a serve-pair ready file: field {first['loc'][0]!r}: {first['msg']}") from None
+# The bench reads serve-pair's ready file through its one contract (kvtool/ready.py).
+PairInfo = ReadyFile
+load_pair_info = read_ready_file
+pair_info = parse_ready_file
 
 
 def check_reachable(pair: PairInfo) -> None:

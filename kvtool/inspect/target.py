@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from collections.abc import Iterator, Sequence
@@ -12,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtool.errors import UserError
+from kvtool.ready import read_ready_file
 
 
 @dataclass(frozen=True)
@@ -26,11 +26,8 @@ class Target:
 def resolve_target(admin: str | None, pair: Path | None, master: str | None = None) -> Target:
     info: dict[str, Any] = {}
     if pair is not None:
-        try:
-            info = json.loads(Path(pair).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise UserError(f"cannot read the serve-pair ready file {pair}: {exc}") from None
-        if not isinstance(info, dict) or not info.get("admin"):
+        info = read_ready_file(Path(pair)).to_json()
+        if not info.get("admin"):
             raise UserError(
                 f"{pair} is not a serve-pair ready file with an admin URL (was the pair started with Mooncake?)"
             )

@@ -44,7 +44,16 @@ def admin_url():
 
 
 def pair(admin: str, connector: str) -> PairInfo:
-    return PairInfo(producer="p", consumer="c", admin=admin, model="m", block_size=32, hash_unit=1, connector=connector)
+    return PairInfo(
+        producer="p",
+        consumer="c",
+        admin=admin,
+        model="m",
+        block_size=32,
+        hash_unit=1,
+        max_model_len=64,
+        connector=connector,
+    )
 
 
 def test_kvtool_waits_for_the_last_saved_key(admin_url):

@@ -32,6 +32,7 @@ def test_ideal_hit_is_a_capped_reusable_prefix_of_an_earlier_prompt(prompt, publ
     assert 0 <= ideal <= max(0, len(prompt) - 1)
     if ideal:
         assert any(prompt[:ideal] == earlier[:ideal] for earlier in published)
+
     # By enumeration: the longest boundary a store can hold (a block end or a hash-unit multiple)
     # that an earlier prompt shares, then capped one short of the prompt (a load may claim part of
     # the object holding it).

@@ -179,6 +179,7 @@ def write_ready(tmp_path: Path, model: Path) -> Path:
                 "model": str(model),
                 "block_size": 32,
                 "hash_unit": 1,
+                "max_model_len": 2048,
                 "connector": "kvtool",
             }
         )

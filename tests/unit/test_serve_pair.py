@@ -457,3 +457,19 @@ def test_smoke_table_tolerates_absent_kv_transfer_params(monkeypatch, params):
     text = console.export_text()
     assert ("(absent)" in text) == (params is None)
     assert ("kvtool.tail_hit_tokens" in text) == (params is not None)
+
+
+def test_the_ready_file_serve_pair_writes_is_the_one_every_reader_parses(tmp_path):
+    from kvtool.ready import parse_ready_file
+    from kvtool.serve_pair import ServePairConfig, ready_info
+
+    cfg = ServePairConfig(model=tmp_path, log_dir=tmp_path, max_model_len=1024)
+    written = ready_info(cfg, {"master": 11, "producer": 12, "consumer": 13}, "http://127.0.0.1:9003", {"master": 1})
+    parsed = parse_ready_file(json.loads(json.dumps(written)), "the ready file")
+    assert (parsed.max_model_len, parsed.admin, parsed.master_pid, parsed.restarts) == (
+        1024,
+        "http://127.0.0.1:9003",
+        11,
+        {"master": 1},
+    )
+    assert parsed.to_json() == written

@@ -27,7 +27,9 @@ class HangingStore(ScriptedStore):
 
 def test_a_hung_backend_call_is_a_timeout_and_hung_calls_never_queue_others():
     backend = HangingStore()
-    store = TimedStore(backend, load_config({"master_server_address": "127.0.0.1:1", "lookup_timeout_s": 0.01}), limit=2)
+    store = TimedStore(
+        backend, load_config({"master_server_address": "127.0.0.1:1", "lookup_timeout_s": 0.01}), limit=2
+    )
     try:
         for _ in range(2):
             with pytest.raises(StoreTimeout):
