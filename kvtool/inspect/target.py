@@ -41,7 +41,7 @@ def resolve_target(admin: str | None, pair: Path | None, master: str | None = No
     return Target(
         admin=admin_url,
         master=master or info.get("master"),
-        model=info.get("model"),
+        model=info.get("model") or None,
         block_size=info.get("block_size"),
         hash_unit=info.get("hash_unit"),
     )

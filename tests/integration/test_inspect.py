@@ -20,6 +20,7 @@ from connector.hashing import RequestIdentity
 from connector.keys import KeyKind, Namespace, watermark_key
 from connector.objects import ObjectHeader, encode_object
 from connector.prefix import PromptKeys, find_stored_prefix, plan_load, plan_save
+from kvtool.ready import ReadyFile
 from connector.store import KVStore, PutOutcome, open_store
 from connector.watermarks import SEQ_FINAL, SEQ_PENDING, ObjectProgress, WatermarkRecord, watermark
 
@@ -83,8 +84,18 @@ def producer(master):
 def pair_file(master, tmp_path_factory):
     """A ready file like serve-pair's, so --pair is exercised too."""
     path = tmp_path_factory.mktemp("inspect") / "ready.json"
-    info = {"admin": master.admin, "master": master.address, "block_size": BLOCK, "hash_unit": 1, "model": None}
-    path.write_text(json.dumps(info))
+    info = ReadyFile(
+        producer="http://127.0.0.1:1",
+        consumer="http://127.0.0.1:1",
+        model="",  # no served model: --text is not exercised here
+        block_size=BLOCK,
+        hash_unit=1,
+        max_model_len=2048,
+        connector="kvtool",
+        admin=master.admin,
+        master=master.address,
+    )
+    path.write_text(json.dumps(info.to_json()))
     return path
 
 
