@@ -69,7 +69,7 @@ def _restore_default_signals() -> None:
 def start_mooncake(cfg: ServePairConfig, procs: ProcessSet, say: Reporter) -> dict[str, str]:
     """Start the master and the standalone store as configured, wait until ready; return their labels."""
     labels: dict[str, str] = {}
-    if cfg.connector == "vllm-mooncake-store":
+    if cfg.profile.mooncake_config_file:
         assert cfg.master_address is not None
         write_json_atomically(
             mooncake_config_path(cfg),

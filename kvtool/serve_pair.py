@@ -20,6 +20,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvtool.errors import UserError
+from kvtool import connectors
+from kvtool.connectors import ConnectorProfile, TransferSettings
 from kvtool.ready import ReadyFile
 from kvtool.procs import LOOPBACK, ensure_port_free, tcp_port_open
 
@@ -32,9 +34,6 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
 GiB = 1 << 30
 
-KVTOOL_CONNECTOR_CLASS = "KVToolConnector"
-KVTOOL_CONNECTOR_MODULE = "connector.connector"
-VLLM_STORE_CONNECTOR_CLASS = "MooncakeStoreConnector"
 CPU_BLOCK_MULTIPLE = 32  # vLLM's CPU attention backend only takes multiples of 32
 
 
@@ -69,7 +68,11 @@ class ServePairConfig(BaseModel):
 
     @property
     def uses_mooncake(self) -> bool:
-        return self.connector != "none"
+        return self.profile.uses_store
+
+    @property
+    def profile(self) -> ConnectorProfile:
+        return connectors.profile(self.connector)
 
     @property
     def starts_master(self) -> bool:
@@ -108,18 +111,8 @@ def kvtool_extra_config(
     request_log: Path | None = None,
 ) -> dict[str, Any]:
     """The kvtool connector's kv_connector_extra_config (validated by connector.config)."""
-    extra: dict[str, Any] = {
-        "master_server_address": master_address,
-        "metadata_server": "P2PHANDSHAKE",
-        "protocol": "tcp",
-        "local_hostname": LOOPBACK,
-        "global_segment_size": global_segment_size,
-        "local_buffer_size": local_buffer_size,
-        "hash_unit": hash_unit,
-    }
-    if request_log is not None:
-        extra["request_log"] = str(request_log)
-    return extra
+    settings = TransferSettings("", master_address, hash_unit, global_segment_size, local_buffer_size, request_log)
+    return connectors.kvtool_extra_config(settings)
 
 
 def request_log_path(cfg: ServePairConfig, role: Role) -> Path:
@@ -153,30 +146,15 @@ def kv_role_for(cfg: ServePairConfig, role: Role) -> str:
 
 
 def kv_transfer_config(cfg: ServePairConfig, role: Role) -> dict[str, Any] | None:
-    if cfg.connector == "none":
-        return None
-    kv_role = kv_role_for(cfg, role)
-    # A failed load recomputes instead of failing the request: a store is a cache, not a source of truth.
-    if cfg.connector == "vllm-mooncake-store":
-        return {
-            "kv_connector": VLLM_STORE_CONNECTOR_CLASS,
-            "kv_role": kv_role,
-            "kv_load_failure_policy": "recompute",
-        }
-    assert cfg.master_address is not None
-    return {
-        "kv_connector": KVTOOL_CONNECTOR_CLASS,
-        "kv_connector_module_path": KVTOOL_CONNECTOR_MODULE,
-        "kv_role": kv_role,
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": kvtool_extra_config(
-            cfg.master_address,
-            cfg.hash_unit,
-            cfg.engine_segment_bytes,
-            cfg.local_buffer_bytes,
-            request_log_path(cfg, role),
-        ),
-    }
+    settings = TransferSettings(
+        kv_role_for(cfg, role),
+        cfg.master_address,
+        cfg.hash_unit,
+        cfg.engine_segment_bytes,
+        cfg.local_buffer_bytes,
+        request_log_path(cfg, role),
+    )
+    return cfg.profile.kv_transfer_config(settings)
 
 
 def mooncake_config_path(cfg: ServePairConfig) -> Path:
@@ -285,7 +263,7 @@ def engine_env(cfg: ServePairConfig, role: Role, base: dict[str, str] | None = N
             "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p),
         }
     )
-    if cfg.connector == "vllm-mooncake-store":
+    if cfg.profile.mooncake_config_file:
         env["MOONCAKE_CONFIG_PATH"] = str(mooncake_config_path(cfg))
     else:
         # The kvtool connector also reads this file; one inherited from the shell must not change its config.
@@ -399,7 +377,7 @@ def ready_info(
         store_address=f"{LOOPBACK}:{cfg.store_port}" if cfg.starts_store else None,
         log_dir=str(cfg.log_dir),
         request_logs={role: str(request_log_path(cfg, role)) for role in ("producer", "consumer")}
-        if cfg.connector == "kvtool"
+        if cfg.profile.hits_from == "request_log"
         else None,
         pids=pids,
         restarts=restarts or {},

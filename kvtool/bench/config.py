@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvtool.connectors import CONNECTOR_NAMES
 from kvtool.errors import UserError
 from kvtool.verify import DEFAULT_LOGPROB_TOLERANCE
 
@@ -14,7 +15,7 @@ from .workloads import TRACE_PREFIX, WORKLOADS, TraceReplay, Workload, workload_
 from .workloads.prefix_repetition import PrefixRepetition
 
 ConnectorName = Literal["kvtool", "vllm-mooncake-store", "none"]
-CONNECTORS: tuple[str, ...] = ("kvtool", "vllm-mooncake-store", "none")
+CONNECTORS: tuple[str, ...] = CONNECTOR_NAMES
 DEFAULT_WORKLOADS = ("sub-block",)
 TOP_LOGPROBS = 5
 

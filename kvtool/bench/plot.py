@@ -9,11 +9,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from kvtool.connectors import PROFILES
 from kvtool.errors import UserError
 
 WIDTH, HEIGHT = 1400, 900
 MARGIN = 70
-COLORS = {"kvtool": (31, 119, 180), "vllm-mooncake-store": (255, 127, 14), "none": (44, 160, 44)}
+COLORS = {name: connector.color for name, connector in PROFILES.items()}
 FALLBACK_COLORS = [(148, 103, 189), (140, 86, 75), (227, 119, 194)]
 IDEAL_COLOR = (200, 200, 200)
 AXIS_COLOR = (60, 60, 60)

@@ -16,6 +16,7 @@ from typing import Any
 
 from connector.hits import HitDetails
 from kvtool.admin import MooncakeAdmin, wait_for_key
+from kvtool.connectors import profile
 from kvtool.ready import ReadyFile, parse_ready_file, read_ready_file
 from kvtool.client import complete
 from kvtool.errors import ServerError, UserError
@@ -40,7 +41,7 @@ def check_reachable(pair: PairInfo) -> None:
     for role, url in (("producer", pair.producer), ("consumer", pair.consumer)):
         if not http_ok(url.rstrip("/") + "/health"):
             raise UserError(f"the pair's {role} at {url} is not reachable; is serve-pair still running?", exit_code=1)
-    if pair.connector != "none" and (pair.admin is None or not http_ok(pair.admin.rstrip("/") + "/health")):
+    if profile(pair.connector).uses_store and (pair.admin is None or not http_ok(pair.admin.rstrip("/") + "/health")):
         raise UserError(
             f"the pair's Mooncake master admin ({pair.admin}) is not reachable; the bench needs it to know "
             "when saves are durable (serve-pair without --master provides it)",
@@ -163,7 +164,7 @@ class Durability:
             if details.get("save_last_key"):
                 self._pending_keys.append(details["save_last_key"])
             return details.get("save_objects")
-        if self._pair.connector != "none":
+        if profile(self._pair.connector).durability == "key_count":
             self._pending_unsignalled = True
         return None
 
@@ -217,7 +218,7 @@ class PairRunner:
         self.salt = f"kvtool-bench-{self.run_id}"
         self.request_log = (
             RequestLogReader(Path(pair.request_logs["consumer"]))
-            if pair.connector == "kvtool" and pair.request_logs
+            if profile(pair.connector).hits_from == "request_log" and pair.request_logs
             else None
         )
 

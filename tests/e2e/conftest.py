@@ -7,7 +7,6 @@ KVTOOL_E2E_CONNECTOR / KVTOOL_E2E_STORE to run the suite against another configu
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -20,6 +19,7 @@ from typing import Any
 import pytest
 
 from kvtool.procs import find_free_port, log_tail
+from kvtool.ready import read_ready_file
 
 from .pairtools import PairMaster
 
@@ -106,7 +106,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
                 _start_failure.append(f"{problem}\n{_log_tails(log_dir)}")
                 pytest.fail(_start_failure[-1], pytrace=False)
             time.sleep(0.5)
-        info = json.loads(ready_file.read_text())
+        info = read_ready_file(ready_file).to_json()  # the contract serve-pair writes (kvtool/ready.py)
         info["fault_control_file"] = str(fault_control)
         info["ready_file"] = str(ready_file)
         yield info

@@ -473,3 +473,13 @@ def test_the_ready_file_serve_pair_writes_is_the_one_every_reader_parses(tmp_pat
         {"master": 1},
     )
     assert parsed.to_json() == written
+
+
+def test_every_connector_choice_has_one_profile_and_they_say_what_the_branches_said():
+    from kvtool.connectors import CONNECTOR_NAMES, profile
+
+    assert CONNECTOR_NAMES == ("kvtool", "vllm-mooncake-store", "none")
+    kvtool, vllm, none = (profile(name) for name in CONNECTOR_NAMES)
+    assert (kvtool.durability, kvtool.hits_from, kvtool.uses_store) == ("signal", "request_log", True)
+    assert (vllm.durability, vllm.hits_from, vllm.mooncake_config_file) == ("key_count", "usage", True)
+    assert (none.uses_store, none.durability) == (False, "none")

@@ -1,0 +1,100 @@
+"""What each `--connector` choice means, in one place: one profile per connector.
+
+A profile says how an engine is configured for the connector (its kv-transfer config and
+environment), whether it needs a Mooncake master, how the bench knows a producer's save is durable,
+where the bench reads a consumer's hits, and its colour in plots. serve-pair, launch, bench and
+plot ask the profile instead of comparing connector names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+KVTOOL_CONNECTOR_CLASS = "KVToolConnector"
+KVTOOL_CONNECTOR_MODULE = "connector.connector"
+VLLM_STORE_CONNECTOR_CLASS = "MooncakeStoreConnector"
+
+Durability = Literal["signal", "key_count", "none"]  # save_last_key in the store / master key count quiet
+HitSource = Literal["request_log", "usage"]  # the connector's request log / usage.cached_tokens
+
+
+@dataclass(frozen=True)
+class TransferSettings:
+    """What an engine's kv-transfer config is built from (serve-pair fills it in)."""
+
+    kv_role: str
+    master_address: str | None
+    hash_unit: int
+    segment_bytes: int
+    local_buffer_bytes: int
+    request_log: Path | None
+    extra: dict[str, Any] | None = None  # further fields of the kvtool connector's config (tests)
+
+
+@dataclass(frozen=True)
+class ConnectorProfile:
+    name: str
+    uses_store: bool  # needs a Mooncake master (and may take --store standalone, --roles)
+    durability: Durability
+    hits_from: HitSource
+    mooncake_config_file: bool  # reads its Mooncake settings from MOONCAKE_CONFIG_PATH
+    color: tuple[int, int, int]
+    _transfer: Callable[[TransferSettings], dict[str, Any] | None]
+
+    def kv_transfer_config(self, settings: TransferSettings) -> dict[str, Any] | None:
+        return self._transfer(settings)
+
+
+def kvtool_extra_config(settings: TransferSettings) -> dict[str, Any]:
+    """The kvtool connector's kv_connector_extra_config (validated by connector.config)."""
+    assert settings.master_address is not None
+    extra: dict[str, Any] = {
+        "master_server_address": settings.master_address,
+        "metadata_server": "P2PHANDSHAKE",
+        "protocol": "tcp",
+        "local_hostname": "127.0.0.1",
+        "global_segment_size": settings.segment_bytes,
+        "local_buffer_size": settings.local_buffer_bytes,
+        "hash_unit": settings.hash_unit,
+    }
+    if settings.request_log is not None:
+        extra["request_log"] = str(settings.request_log)
+    extra.update(settings.extra or {})
+    return extra
+
+
+# A failed load recomputes instead of failing the request: a store is a cache, not a source of truth.
+def _kvtool_transfer(settings: TransferSettings) -> dict[str, Any]:
+    return {
+        "kv_connector": KVTOOL_CONNECTOR_CLASS,
+        "kv_connector_module_path": KVTOOL_CONNECTOR_MODULE,
+        "kv_role": settings.kv_role,
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": kvtool_extra_config(settings),
+    }
+
+
+def _vllm_store_transfer(settings: TransferSettings) -> dict[str, Any]:
+    return {
+        "kv_connector": VLLM_STORE_CONNECTOR_CLASS,
+        "kv_role": settings.kv_role,
+        "kv_load_failure_policy": "recompute",
+    }
+
+
+PROFILES: dict[str, ConnectorProfile] = {
+    "kvtool": ConnectorProfile("kvtool", True, "signal", "request_log", False, (31, 119, 180), _kvtool_transfer),
+    "vllm-mooncake-store": ConnectorProfile(
+        "vllm-mooncake-store", True, "key_count", "usage", True, (255, 127, 14), _vllm_store_transfer
+    ),
+    "none": ConnectorProfile("none", False, "none", "usage", False, (44, 160, 44), lambda _settings: None),
+}
+CONNECTOR_NAMES: tuple[str, ...] = tuple(PROFILES)
+
+
+def profile(name: str) -> ConnectorProfile:
+    """The profile of a connector name (names are checked at the CLI; a KeyError here is a bug)."""
+    return PROFILES[name]
