@@ -65,6 +65,8 @@ class ServePairConfig(BaseModel):
     local_buffer_bytes: int = 64 * MiB
     store_segment_bytes: int = 1 * GiB  # what the standalone store holds
     startup_timeout_s: float = 300.0
+    # Testing only: a fault plan file (connector/faults.py) the kvtool connectors read while they run.
+    fault_control_file: Path | None = None
 
     @property
     def uses_mooncake(self) -> bool:
@@ -153,6 +155,7 @@ def kv_transfer_config(cfg: ServePairConfig, role: Role) -> dict[str, Any] | Non
         cfg.engine_segment_bytes,
         cfg.local_buffer_bytes,
         request_log_path(cfg, role),
+        {"fault_control_file": str(cfg.fault_control_file)} if cfg.fault_control_file else None,
     )
     return cfg.profile.kv_transfer_config(settings)
 

@@ -483,3 +483,13 @@ def test_every_connector_choice_has_one_profile_and_they_say_what_the_branches_s
     assert (kvtool.durability, kvtool.hits_from, kvtool.uses_store) == ("signal", "request_log", True)
     assert (vllm.durability, vllm.hits_from, vllm.mooncake_config_file) == ("key_count", "usage", True)
     assert (none.uses_store, none.durability) == (False, "none")
+
+
+def test_a_fault_plan_reaches_the_connectors_through_their_config_only_when_a_test_sets_one(tmp_path):
+    from kvtool.serve_pair import ServePairConfig, kv_transfer_config
+
+    plain = ServePairConfig(model=tmp_path, log_dir=tmp_path)
+    assert "fault_control_file" not in kv_transfer_config(plain, "consumer")["kv_connector_extra_config"]
+    faulty = ServePairConfig(model=tmp_path, log_dir=tmp_path, fault_control_file=tmp_path / "faults.json")
+    extra = kv_transfer_config(faulty, "producer")["kv_connector_extra_config"]
+    assert extra["fault_control_file"] == str(tmp_path / "faults.json")
