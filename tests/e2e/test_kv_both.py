@@ -135,7 +135,9 @@ def test_a_failed_load_on_a_kv_both_engine_publishes_only_recomputed_kv(pair, bo
         both_engine["faults"].unlink()
     details = answer["kv_transfer_params"]["kvtool"]
     assert details["stored_prefix_tokens"] == len(shorter), details
-    assert details["external_hit_tokens"] == 0 and details["load_failure"] == "checksum", details
+    # The flipped byte fails the checksum; on a loaded machine the engine's first fetch can also run
+    # past the load time-out first. Either way the load failed and vLLM recomputed the prompt.
+    assert details["external_hit_tokens"] == 0 and details["load_failure"] in ("checksum", "timeout"), details
     assert details["save_objects"] >= 2, details  # blocks 1 and 2 were its to store
     wait_save_ended(pair, details)
 
