@@ -156,7 +156,3 @@ class Loader:
             kind = "tail_objects_loaded" if transfer.kind is KeyKind.TAIL else "block_objects_loaded"
             for name, amount in (("objects_loaded", 1), (kind, 1), ("bytes_loaded", len(payload))):
                 counts[name] = counts.get(name, 0) + amount
-
-    @property
-    def in_flight(self) -> int:
-        return len(self._in_flight)

@@ -109,7 +109,3 @@ class LookupBatcher:
             pending = self._requests.get(req_id)
             if pending is not None and pending.outcome is None:
                 pending.outcome = outcome
-
-    @property
-    def in_flight(self) -> int:
-        return len(self._requests)

@@ -169,10 +169,6 @@ class WorkerSide:
         failures, self._load_failures = self._load_failures, {}
         return KVToolWorkerMeta(failures)
 
-    @property
-    def loads_in_flight(self) -> int:
-        return self._loader.in_flight
-
     # -- saves --------------------------------------------------------------------------------------
 
     def wait_for_save(self, meta: KVToolMetadata) -> None:

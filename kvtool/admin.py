@@ -43,9 +43,6 @@ class MooncakeAdmin:
     def exists(self, key: str) -> bool:
         return key_exists(self.url, key)
 
-    def wait_for(self, key: str, timeout_s: float = 60.0) -> bool:
-        return wait_for_key(self.url, key, timeout_s)
-
     def sizes(self, keys: list[str]) -> dict[str, int | None]:
         return object_sizes(self.url, keys)
 
