@@ -7,6 +7,14 @@ EXIT_RUNTIME = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 
+# What every command's exit status means; shown in each command's --help and in the README.
+EXIT_CODES: tuple[tuple[int, str], ...] = (
+    (EXIT_OK, "ok (a bench's answer mismatches are in its results, not in the exit code)"),
+    (EXIT_RUNTIME, "a server or the store failed, died or was unreachable (bench --compare: a connector's run)"),
+    (EXIT_USAGE, "bad input (a flag, a file, a workload), refused before a pair starts or a store is asked"),
+    (EXIT_INTERRUPTED, "interrupted (Ctrl-C; for serve-pair also SIGTERM)"),
+)
+
 
 class UserError(Exception):
     """Something the user can fix: the message says what is wrong and what to do.

@@ -1,10 +1,10 @@
-"""What `kvtool bench` does once its flags are parsed: plan the workloads, run them on each
-connector's pair (a running one, or one launched per connector), report."""
+"""What `kvtool bench` does once its flags are parsed: check them, plan the workloads, run them on
+each connector's pair (a running one, or one launched per connector); kvtool/commands/bench.py prints."""
 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -12,12 +12,12 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvtool.errors import UserError
-from kvtool.serve_pair import Reporter, ServePairConfig, launched_pair, write_json_atomically
+from kvtool.serve_pair import Reporter, ServePairConfig, launched_pair
 from kvtool.smoke import model_vocab_size
 
 from .config import CONNECTORS, BenchConfig, build_workload
 from .oracle import ideal_hits
-from .report import bench_document, connector_report, print_comparison, print_connector_report
+from .report import bench_document, connector_report
 from .runner import PairInfo, PairRunner, WorkloadRun, check_reachable, load_pair_info, pair_info
 from .workloads.base import Step, WorkloadShape
 
@@ -65,15 +65,26 @@ def parse_compare(value: str | None) -> list[str]:
     return names
 
 
+def check_bench_input(config: BenchConfig, pair_file: Path | None, launch: bool, compare: list[str]) -> None:
+    """What can be checked before any pair is read, reached or started: where to run, the workloads."""
+    if (pair_file is None) == (not launch):
+        raise UserError("give either --pair READY_FILE (written by kvtool serve-pair) or --launch")
+    if pair_file is not None and compare:
+        raise UserError("--compare starts one pair per connector; use it with --launch, not --pair")
+    for spec in config.workloads:
+        build_workload(spec, config)
+
+
 def run_workloads(
-    pair: PairInfo, config: BenchConfig, planned: list[PlannedWorkload], console: Console
+    pair: PairInfo, config: BenchConfig, planned: list[PlannedWorkload], progress_console: Console | None
 ) -> list[WorkloadRun]:
     runner = PairRunner(pair, config)
     runner.warm_up()
     runs = []
     total = sum(len(p.steps) for p in planned)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=console, transient=False) as progress:
+    progress_bar = Progress(*columns, console=progress_console, transient=False, disable=progress_console is None)
+    with progress_bar as progress:
         task = progress.add_task(f"{pair.connector}", total=total)
         for workload in planned:
             progress.update(task, description=f"{pair.connector}: {workload.name}")
@@ -88,28 +99,43 @@ def launch_config(cfg: ServePairConfig, connector: str, compare: bool = False) -
     return cfg.model_copy(update=update)
 
 
+@dataclass
+class BenchOutcome:
+    """What a bench run produced: one report per connector that ran, the JSON document, and failures."""
+
+    reports: dict[str, dict[str, Any]]
+    document: dict[str, Any]
+    failures: dict[str, str] = field(default_factory=dict)  # connector -> why its run failed (with --compare)
+
+    def failure_error(self) -> UserError | None:
+        if not self.failures:
+            return None
+        message = "; ".join(f"{connector} failed: {why}" for connector, why in self.failures.items())
+        return UserError(message, exit_code=1)
+
+
 def run_bench(
     config: BenchConfig,
-    console: Console,
     say: Reporter,
     pair_file: Path | None,
     launch: ServePairConfig | None,
     compare: list[str],
-    json_path: Path | None,
-    plot_path: Path | None,
-) -> dict[str, Any]:
-    failures: dict[str, str] = {}  # connector -> why its run failed (with --compare)
-    if (pair_file is None) == (launch is None):
-        raise UserError("give either --pair READY_FILE (written by kvtool serve-pair) or --launch")
+    progress_console: Console | None = None,
+) -> BenchOutcome:
+    """Run the workloads on the pair in the ready file, or on a pair launched per connector.
+
+    The caller has checked the input with ``check_bench_input`` (before building ``launch``).
+    """
+    assert (pair_file is None) != (launch is None)
+    failures: dict[str, str] = {}
     if pair_file is not None:
-        if compare:
-            raise UserError("--compare starts one pair per connector; use it with --launch, not --pair")
         pair = load_pair_info(pair_file)
         check_reachable(pair)
         planned = plan_workloads(
             config, pair.block_size, pair.hash_unit, model_vocab_size(Path(pair.model)), pair.max_model_len
         )
-        reports = {pair.connector: connector_report(run_workloads(pair, config, planned, console), pair.block_size)}
+        runs = run_workloads(pair, config, planned, progress_console)
+        reports = {pair.connector: connector_report(runs, pair.block_size)}
         pair_config: dict[str, Any] = {"ready_file": str(pair_file), **pair.model_dump()}
     else:
         assert launch is not None
@@ -125,7 +151,7 @@ def run_bench(
             try:
                 with launched_pair(one, say) as (info, _procs):
                     pair = pair_info(info, "the launched pair")
-                    runs = run_workloads(pair, config, planned, console)
+                    runs = run_workloads(pair, config, planned, progress_console)
                     reports[connector] = connector_report(runs, launch.block_size)
             except UserError as exc:
                 if len(connectors) == 1:
@@ -135,26 +161,9 @@ def run_bench(
                 say(f"{connector} failed: {exc.message}")
         pair_config = launch.model_dump(mode="json")
 
-    if compare and reports:
-        print_comparison(console, reports)
-    elif not compare:
-        ((connector, report),) = reports.items()
-        print_connector_report(console, connector, report)
     document = bench_document(
         {**config.model_dump(mode="json"), "command": sys.argv}, pair_config, reports, compare=bool(compare)
     )
     if failures:
         document["failures"] = failures
-    if json_path is not None:
-        write_json_atomically(json_path, document)
-        say(f"wrote {json_path}")
-    if plot_path is not None:
-        from .plot import write_plot
-
-        write_plot(plot_path, reports)
-        say(f"wrote {plot_path}")
-    if failures:
-        raise UserError(
-            "; ".join(f"{connector} failed: {message}" for connector, message in failures.items()), exit_code=1
-        )
-    return document
+    return BenchOutcome(reports, document, failures)

@@ -1,4 +1,4 @@
-"""Summary statistics (pure), Rich tables and the JSON document of a bench run."""
+"""Summary statistics (pure), and a bench run as a report: its tables and its JSON document."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict
 from typing import Any
 
-from rich.console import Console
-from rich.table import Table
+from rich.text import Text
+
+from kvtool.report import Report, ReportTable
 
 from .runner import ConsumerResult, WorkloadRun
 
@@ -103,6 +104,31 @@ def producer_overhead_ms(reports: dict[str, dict[str, Any]], connector: str) -> 
 
 # ---- terminal -------------------------------------------------------------------------------
 
+SUMMARY_COLUMNS = (
+    "requests",
+    "prompt tok",
+    "ideal tok",
+    "hit tok",
+    "block hit",
+    "tail hit",
+    "hit rate",
+    "efficiency",
+    "TTFT p50 ms",
+    "TTFT p90 ms",
+    "mismatches",
+)
+COMPARISON_COLUMNS = (
+    "hit rate",
+    "efficiency",
+    "block hit",
+    "tail hit",
+    "TTFT p50 ms",
+    "TTFT p90 ms",
+    "mismatches",
+    "producer p50 ms",
+    "producer overhead ms",
+)
+
 
 def _pct(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.1f}%"
@@ -112,100 +138,117 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
-def _summary_columns(table: Table, first: str) -> None:
-    table.add_column(first)
-    for name in ("requests", "prompt tok", "ideal tok", "hit tok", "block", "tail", "hit rate", "efficiency"):
-        table.add_column(name, justify="right")
-    for name in ("TTFT p50 ms", "TTFT p90 ms", "mismatches"):
-        table.add_column(name, justify="right")
+def _mismatch_cell(summary: dict[str, Any]) -> str | Text:
+    if summary["mismatches"]:
+        return Text(str(summary["mismatches"]), style="red")
+    return "0" if summary["verified"] else "not verified"
 
 
-def _summary_row(table: Table, name: str, summary: dict[str, Any], style: str | None = None) -> None:
-    mismatches = summary["mismatches"]
-    table.add_row(
-        name,
-        str(summary["requests"]),
-        str(summary["prompt_tokens"]),
-        str(summary["ideal_tokens"]),
-        str(summary["hit_tokens"]),
-        str(summary["block_hit_tokens"]),
-        str(summary["tail_hit_tokens"]),
+def _summary_row(first: str, name: str, summary: dict[str, Any], style: str | None = None) -> dict[str, Any]:
+    cells = [
+        summary["requests"],
+        summary["prompt_tokens"],
+        summary["ideal_tokens"],
+        summary["hit_tokens"],
+        summary["block_hit_tokens"],
+        summary["tail_hit_tokens"],
         _pct(summary["hit_rate"]),
         _pct(summary["efficiency"]),
         _ms(summary["ttft_ms_p50"]),
         _ms(summary["ttft_ms_p90"]),
-        f"[red]{mismatches}[/red]" if mismatches else "0" if summary["verified"] else "not verified",
-        style=style,
-    )
+        _mismatch_cell(summary),
+    ]
+    row: dict[str, Any] = {first: name, **dict(zip(SUMMARY_COLUMNS, cells, strict=True))}
+    if style is not None:
+        row = {column: _styled(cell, style) for column, cell in row.items()}
+    return row
 
 
-def print_connector_report(console: Console, connector: str, report: dict[str, Any]) -> None:
-    table = Table(title=f"kvtool bench: {connector} connector")
-    _summary_columns(table, "workload")
-    for name, summary in report["workloads"].items():
-        _summary_row(table, name, summary)
-    _summary_row(table, "all", report["summary"], style="bold")
-    console.print(table)
-    buckets = Table(title="by prompt length (tokens)")
-    _summary_columns(buckets, "prompt tokens")
-    for label, summary in report["buckets"].items():
-        _summary_row(buckets, label, summary)
-    console.print(buckets)
-    print_mismatches(console, report)
+def _styled(cell: Any, style: str) -> Text:
+    text = cell.copy() if isinstance(cell, Text) else Text(str(cell))
+    text.stylize(style)
+    return text
 
 
-def print_mismatches(console: Console, report: dict[str, Any]) -> None:
+def _summary_table(title: str, first: str, summaries: dict[str, dict[str, Any]], total: dict | None) -> ReportTable:
+    rows = [_summary_row(first, name, summary) for name, summary in summaries.items()]
+    if total is not None:
+        rows.append(_summary_row(first, "all", total, style="bold"))
+    return ReportTable(title, [first, *SUMMARY_COLUMNS], rows)
+
+
+def mismatch_notes(report: dict[str, Any], connector: str | None = None) -> list[str | Text]:
+    notes: list[str | Text] = []
     for mismatch in report["mismatches"]:
-        console.print(
-            f"[red]mismatch[/red] {mismatch['workload']} step {mismatch['step']} "
-            f"({mismatch['prompt_tokens']} tokens): {mismatch['reason']}",
-            soft_wrap=True,
-            highlight=False,
-        )
+        note = Text("mismatch", style="red")
+        if connector is not None:
+            note.append(f" ({connector})")
+        where = f"{mismatch['workload']} step {mismatch['step']} ({mismatch['prompt_tokens']} tokens)"
+        note.append(f" {where}: {mismatch['reason']}")
+        notes.append(note)
+    return notes
 
 
-def print_comparison(console: Console, reports: dict[str, dict[str, Any]]) -> None:
-    table = Table(title="kvtool bench --compare (same seeded workload on each connector)")
-    table.add_column("connector")
-    for name in ("hit rate", "efficiency", "block", "tail", "TTFT p50 ms", "TTFT p90 ms", "mismatches"):
-        table.add_column(name, justify="right")
-    table.add_column("producer p50 ms", justify="right")
-    table.add_column("producer overhead ms", justify="right")
+def connector_tables(connector: str, report: dict[str, Any]) -> list[ReportTable]:
+    return [
+        _summary_table(f"kvtool bench: {connector} connector", "workload", report["workloads"], report["summary"]),
+        _summary_table("by prompt length (tokens)", "prompt tokens", report["buckets"], None),
+    ]
+
+
+def comparison_tables(reports: dict[str, dict[str, Any]]) -> list[ReportTable]:
+    rows = []
     for connector, report in reports.items():
         summary = report["summary"]
-        table.add_row(
-            connector,
+        cells = [
             _pct(summary["hit_rate"]),
             _pct(summary["efficiency"]),
-            str(summary["block_hit_tokens"]),
-            str(summary["tail_hit_tokens"]),
+            summary["block_hit_tokens"],
+            summary["tail_hit_tokens"],
             _ms(summary["ttft_ms_p50"]),
             _ms(summary["ttft_ms_p90"]),
-            str(summary["mismatches"]),
+            summary["mismatches"],
             _ms(summary["producer_ms_p50"]),
             _ms(producer_overhead_ms(reports, connector)),
-        )
-    console.print(table)
-    per_workload = Table(title="per workload: efficiency / TTFT p50 ms")
-    per_workload.add_column("workload")
-    for connector in reports:
-        per_workload.add_column(connector, justify="right")
+        ]
+        rows.append({"connector": connector, **dict(zip(COMPARISON_COLUMNS, cells, strict=True))})
+    per_workload = []
     workloads = list(next(iter(reports.values()))["workloads"]) if reports else []
     for workload in workloads:
-        cells = []
-        for report in reports.values():
+        row: dict[str, Any] = {"workload": workload}
+        for connector, report in reports.items():
             summary = report["workloads"].get(workload)
-            cells.append("-" if summary is None else f"{_pct(summary['efficiency'])} / {_ms(summary['ttft_ms_p50'])}")
-        per_workload.add_row(workload, *cells)
-    console.print(per_workload)
-    for report in reports.values():
-        print_mismatches(console, report)
+            row[connector] = (
+                None if summary is None else f"{_pct(summary['efficiency'])} / {_ms(summary['ttft_ms_p50'])}"
+            )
+        per_workload.append(row)
+    return [
+        ReportTable(
+            "kvtool bench --compare (same seeded workload on each connector)",
+            ["connector", *COMPARISON_COLUMNS],
+            rows,
+        ),
+        ReportTable("per workload: efficiency / TTFT p50 ms", ["workload", *reports], per_workload),
+    ]
+
+
+def bench_report(reports: dict[str, dict[str, Any]], document: dict[str, Any], compare: bool) -> Report:
+    """The run as the terminal shows it (tables, mismatches) and as JSON (the document)."""
+    if compare:
+        tables = comparison_tables(reports) if reports else []
+    else:
+        ((connector, report),) = reports.items()
+        tables = connector_tables(connector, report)
+    notes = [
+        note for connector, report in reports.items() for note in mismatch_notes(report, connector if compare else None)
+    ]
+    return Report(tables=tables, notes=notes, payload=document)
 
 
 def bench_document(
     config: dict[str, Any], pair: dict[str, Any], reports: dict[str, dict[str, Any]], compare: bool
 ) -> dict[str, Any]:
-    """The --json document: the configuration and seed, and one report per connector."""
+    """The JSON document (--format json, --output): the configuration and seed, and one report per connector."""
     document: dict[str, Any] = {"config": config, "seed": config["seed"], "pair": pair}
     if compare:
         document["connectors"] = reports

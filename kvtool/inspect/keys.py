@@ -12,11 +12,12 @@ from connector.keys import KeyKind, decode_key
 
 from kvtool import admin
 from kvtool.errors import UserError
-from kvtool.inspect.output import Report
+from kvtool.report import Report, ReportTable
 
 FOREIGN = "foreign"
 KIND_NAMES = {KeyKind.BLOCK: "block", KeyKind.TAIL: "tail", KeyKind.WATERMARK: "watermark"}
 KIND_CHOICES = (*KIND_NAMES.values(), FOREIGN)
+KEY_COLUMNS = ["kind", "namespace", "end_token", "tokens", "hash", "size_bytes", "key"]
 
 
 @dataclass(frozen=True)
@@ -56,12 +57,16 @@ def describe_key(key: str, block_size: int | None = None) -> KeyInfo:
     )
 
 
+def check_kind(kind: str | None) -> None:
+    if kind is not None and kind not in KIND_CHOICES:
+        raise UserError(f"--kind {kind!r} is not one of: {', '.join(KIND_CHOICES)}")
+
+
 def select_keys(
     infos: Iterable[KeyInfo], kind: str | None = None, namespace: str | None = None, prefix: str | None = None
 ) -> list[KeyInfo]:
     """Keys matching every filter given, ordered by namespace, kind, end token, then key."""
-    if kind is not None and kind not in KIND_CHOICES:
-        raise UserError(f"--kind {kind!r} is not one of: {', '.join(KIND_CHOICES)}")
+    check_kind(kind)
     chosen = [
         info
         for info in infos
@@ -89,6 +94,7 @@ def keys_report(
 ) -> Report:
     if limit <= 0 or offset < 0:
         raise UserError("--limit must be positive and --offset not negative")
+    check_kind(kind)
     every = [describe_key(key, block_size) for key in admin.all_keys(admin_url)]
     matched = select_keys(every, kind, namespace, prefix)
     page = matched[offset : offset + limit]
@@ -102,9 +108,7 @@ def keys_report(
     if next_offset is not None:
         notes.append(f"showing {offset + 1}-{offset + len(page)} of {len(matched)}; next page: --offset {next_offset}")
     return Report(
-        title=f"store keys at {admin_url}",
-        columns=["kind", "namespace", "end_token", "tokens", "hash", "size_bytes", "key"],
-        rows=rows,
+        tables=[ReportTable(f"store keys at {admin_url}", KEY_COLUMNS, rows)],
         summary={"total_keys": len(every), "matched": len(matched), "by_kind": counts},
         notes=notes,
         payload={

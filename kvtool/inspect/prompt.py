@@ -22,7 +22,7 @@ from connector.watermarks import WatermarkRecord
 
 from kvtool import admin
 from kvtool.errors import UserError
-from kvtool.inspect.output import Report
+from kvtool.report import Report, ReportTable
 from kvtool.inspect.target import Target, open_reader
 
 NEVER_STORED = "never stored"
@@ -406,9 +406,13 @@ def prompt_report(
         + ("loadable_hit_tokens", "stored_prefix_tokens", "save_tail_boundary")
     }
     return Report(
-        title=f"prompt of {len(tokens)} tokens (block size {block_size}, hash unit {hash_unit})",
-        columns=["end_token", "kind", "stored", "in_hit", "miss_reason", "key"],
-        rows=rows,
+        tables=[
+            ReportTable(
+                f"prompt of {len(tokens)} tokens (block size {block_size}, hash unit {hash_unit})",
+                ["end_token", "kind", "stored", "in_hit", "miss_reason", "key"],
+                rows,
+            )
+        ],
         summary=summary,
         notes=notes,
         payload={"admin": target.admin, **payload, "notes": notes},

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from kvtool import admin
-from kvtool.inspect.output import Report
+from kvtool.errors import UserError
+from kvtool.report import Report, ReportTable
 
 # The master's default for --eviction_high_watermark_ratio; /metrics does not expose the value in use.
 DEFAULT_EVICTION_HIGH_WATERMARK = 0.9
@@ -44,15 +45,15 @@ def store_summary(samples: dict[str, float], high_watermark: float | None) -> di
 
 
 def store_report(admin_url: str, high_watermark: float | None) -> Report:
+    if high_watermark is not None and not 0 < high_watermark <= 1:
+        raise UserError(f"--eviction-high-watermark {high_watermark} is not a ratio in (0, 1]")
     summary = store_summary(admin.MooncakeAdmin(admin_url).metrics(), high_watermark)
     rows = [{"metric": name, "value": _human(name, value)} for name, value in summary.items()]
     notes = []
     if not summary["capacity_bytes"]:
         notes.append("capacity is 0: no client has mounted a segment yet (engines lend it when they start)")
     return Report(
-        title=f"store at {admin_url}",
-        columns=["metric", "value"],
-        rows=rows,
+        tables=[ReportTable(f"store at {admin_url}", ["metric", "value"], rows)],
         notes=notes,
         payload={"admin": admin_url, **summary},
     )

@@ -14,7 +14,7 @@ from connector.keys import KeyKind, decode_key
 from connector.watermarks import WatermarkRecord
 
 from kvtool import admin
-from kvtool.inspect.output import Report
+from kvtool.report import Report, ReportTable
 from kvtool.inspect.target import Target, open_reader
 
 GetFn = Callable[[Sequence[str]], list[bytes | None]]
@@ -107,9 +107,7 @@ def watermarks_report(target: Target, namespace: str | None, request_id: str | N
     columns += ["state", "reason", "seq"]
     notes = [] if rows else ["no watermark records in the store (producers publish them as they save)"]
     return Report(
-        title=f"watermarks at {target.admin}",
-        columns=columns,
-        rows=rows,
+        tables=[ReportTable(f"watermarks at {target.admin}", columns, rows)],
         summary={"requests": len(rows)},
         notes=notes,
         payload={"admin": target.admin, "requests": len(rows), "watermarks": rows},

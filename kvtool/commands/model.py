@@ -1,0 +1,35 @@
+"""`kvtool model`: generate (once) a random-weight Llama with its tokenizer and print its directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kvtool.commands.output import out, say, user_errors_exit
+from kvtool.errors import UserError
+
+
+@user_errors_exit
+def model_command(
+    preset: Annotated[
+        str, typer.Option("--preset", help="tiny (2 layers, tests) or bench (12 layers, TTFT benchmarks)")
+    ] = "tiny",
+    size: Annotated[str | None, typer.Option("--size", help="deprecated name of --preset", hidden=True)] = None,
+    path: Annotated[
+        Path | None,
+        typer.Option("--path", help="where to write it \\[default: $KVTOOL_HOME/models/<preset>-llama]"),
+    ] = None,
+) -> None:
+    """Generate (once) a random-weight Llama model with its tokenizer and print its directory."""
+    from kvtool.model import PRESETS, ensure_default_model
+
+    if size is not None:
+        if preset not in ("tiny", size):
+            raise UserError("--size is the old name of --preset; give one of them")
+        say("--size is deprecated; use --preset")
+        preset = size
+    if preset not in PRESETS:
+        raise UserError(f"--preset {preset!r} is not one of: {', '.join(PRESETS)}")
+    out.print(str(ensure_default_model(path, preset=preset)), soft_wrap=True, highlight=False)

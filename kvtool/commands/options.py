@@ -1,0 +1,255 @@
+"""Flags that several commands take, declared once: the pair's (serve-pair, bench --launch), the
+output's (bench and every inspect subcommand), and where inspect looks.
+
+A group of flags is a dataclass whose fields are Typer options; ``with_options`` adds its fields to a
+command's signature and hands the command one instance of it.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar, get_type_hints
+
+import typer
+from rich.console import Console
+
+from kvtool.commands.output import OutputFormat, check_writable, err, say
+from kvtool.errors import UserError
+
+if TYPE_CHECKING:
+    from kvtool.serve_pair import ServePairConfig
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def with_options(**groups: type) -> Callable[[F], F]:
+    """Add the fields of each dataclass in ``groups`` as the command's options; the command's parameter
+    of the group's name receives the dataclass, built from them."""
+
+    def decorate(command: F) -> F:
+        signature = inspect.signature(command, eval_str=True)
+        own = [p for name, p in signature.parameters.items() if name not in groups]
+        added = []
+        for cls in groups.values():
+            hints = get_type_hints(cls, include_extras=True)
+            for item in fields(cls):
+                kind = inspect.Parameter.KEYWORD_ONLY
+                added.append(inspect.Parameter(item.name, kind, default=item.default, annotation=hints[item.name]))
+        clash = {p.name for p in own} & {p.name for p in added}
+        if clash:
+            raise TypeError(f"{command.__name__}: options declared twice: {', '.join(sorted(clash))}")
+
+        @functools.wraps(command)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            for group, cls in groups.items():
+                kwargs[group] = cls(**{item.name: kwargs.pop(item.name) for item in fields(cls)})
+            return command(*args, **kwargs)
+
+        parameters = own + added
+        wrapper.__signature__ = signature.replace(parameters=parameters)  # type: ignore[attr-defined]
+        wrapper.__annotations__ = {p.name: p.annotation for p in parameters}
+        return wrapper  # type: ignore[return-value]
+
+    return decorate
+
+
+# ---- output: bench and every inspect subcommand ---------------------------------------------
+
+OUTPUT_PANEL = "Output"
+
+
+@dataclass(frozen=True)
+class OutputOptions:
+    """--format, --output and --quiet, as every command that prints results takes them."""
+
+    format: Annotated[
+        OutputFormat,
+        typer.Option("--format", help="table, or json (only the JSON report on stdout)", rich_help_panel=OUTPUT_PANEL),
+    ] = OutputFormat.table
+    output: Annotated[
+        Path | None,
+        typer.Option("--output", help="also write the JSON report to this file", rich_help_panel=OUTPUT_PANEL),
+    ] = None
+    quiet: Annotated[
+        bool,
+        typer.Option(
+            "--quiet",
+            "-q",
+            help="no table, no progress, no status lines (errors still print)",
+            rich_help_panel=OUTPUT_PANEL,
+        ),
+    ] = False
+
+    def with_legacy_json_file(self, path: Path | None) -> OutputOptions:
+        """bench's old ``--json PATH``: the same as ``--output PATH``."""
+        if path is None:
+            return self
+        if self.output is not None and self.output != path:
+            raise UserError("--json PATH is the old name of --output PATH; give one of them")
+        return replace(self, output=path)
+
+    def with_legacy_json_flag(self, as_json: bool) -> OutputOptions:
+        """inspect's old ``--json`` flag: the same as ``--format json``."""
+        return replace(self, format=OutputFormat.json) if as_json else self
+
+    def check(self) -> None:
+        """A file --output cannot write fails now, before anything runs."""
+        check_writable(self.output, "--output")
+
+    def say(self, message: str) -> None:
+        """A status line on stderr, unless --quiet."""
+        if not self.quiet:
+            say(message)
+
+    @property
+    def progress_console(self) -> Console | None:
+        """Where progress bars go (stderr, so stdout keeps only results); None: no progress."""
+        return None if self.quiet else err
+
+
+# ---- the pair: serve-pair and bench --launch ------------------------------------------------
+
+PAIR_PANEL = "Pair (serve-pair, bench --launch)"
+ROLES_CHOICES = ("pd", "both")
+STORE_CHOICES = ("embedded", "standalone")
+
+
+def _pair(help_text: str, *names: str, hidden: bool = False) -> Any:
+    return typer.Option(*names, help=help_text, rich_help_panel=PAIR_PANEL, hidden=hidden)
+
+
+@dataclass(frozen=True)
+class PairOptions:
+    """The flags that describe a producer/consumer pair; ``config`` makes its ServePairConfig."""
+
+    model: Annotated[
+        Path | None,
+        _pair("Hugging Face model directory \\[default: a generated random-weight Llama, see --model-preset]"),
+    ] = None
+    model_preset: Annotated[
+        str, _pair("model generated when --model is not given: tiny (2 layers, tests) or bench (12 layers, TTFT)")
+    ] = "tiny"
+    model_size: Annotated[str | None, _pair("deprecated name of --model-preset", "--model-size", hidden=True)] = None
+    producer_port: Annotated[int, _pair("producer vLLM server port on 127.0.0.1")] = 8100
+    consumer_port: Annotated[int, _pair("consumer vLLM server port on 127.0.0.1")] = 8200
+    master_port: Annotated[int, _pair("RPC port of the mooncake_master kvtool starts")] = 50051
+    admin_port: Annotated[
+        int, _pair("the master's metrics/admin HTTP port (with --master: that master's admin port)")
+    ] = 9003
+    master: Annotated[
+        str | None,
+        _pair("HOST:PORT of a running mooncake_master to use instead of starting one (not supervised)"),
+    ] = None
+    store_port: Annotated[int, _pair("service port of the standalone store (--store standalone)")] = 50052
+    block_size: Annotated[int, _pair("vLLM KV block size in tokens (a multiple of 32 on the CPU)")] = 32
+    hash_unit: Annotated[int, _pair("tail boundary grid in tokens for the kvtool connector (1 = exact)")] = 1
+    store: Annotated[
+        str,
+        _pair(
+            "embedded: each engine lends 256 MiB of segment memory to the store (stored KV dies with its "
+            "engine); standalone: a separate mooncake_client process holds 1 GiB and the engines lend none, "
+            "so stored KV outlives a producer restart"
+        ),
+    ] = "embedded"
+    connector: Annotated[
+        str, _pair("kvtool (partial-tail connector), vllm-mooncake-store (vLLM's in-tree, whole blocks only) or none")
+    ] = "kvtool"
+    roles: Annotated[
+        str,
+        _pair(
+            "pd: the producer saves (kv_producer) and the consumer loads (kv_consumer); both: each engine "
+            "loads and saves (kv_both). Needs a connector (kvtool or vllm-mooncake-store)"
+        ),
+    ] = "pd"
+    log_dir: Annotated[
+        Path | None, _pair("where the processes' logs go \\[default: ./logs/serve-pair-<timestamp>]")
+    ] = None
+    kv_cache_gib: Annotated[float, _pair("KV cache per engine, GiB (VLLM_CPU_KVCACHE_SPACE)")] = 1.0
+    memory_utilization: Annotated[
+        float, _pair("--gpu-memory-utilization per engine; small because two engines start together")
+    ] = 0.3
+    dtype: Annotated[str, _pair("vLLM --dtype (float32 keeps logprob comparisons exact)")] = "float32"
+    enforce_eager: Annotated[bool, _pair("pass --enforce-eager to vLLM (no compilation)")] = False
+    startup_timeout: Annotated[float, _pair("seconds to wait for both servers to be healthy")] = 300.0
+
+    @property
+    def preset(self) -> str:
+        return self.model_size if self.model_size is not None else self.model_preset
+
+    def check(self) -> None:
+        """The flags' values, checked without any I/O; a UserError naming the flag."""
+        from kvtool.connectors import CONNECTOR_NAMES
+        from kvtool.model import PRESETS
+
+        if self.model_size is not None and self.model_preset not in ("tiny", self.model_size):
+            raise UserError("--model-size is the old name of --model-preset; give one of them")
+        choices = {
+            "model-preset": (self.preset, tuple(PRESETS)),
+            "store": (self.store, STORE_CHOICES),
+            "connector": (self.connector, CONNECTOR_NAMES),
+            "roles": (self.roles, ROLES_CHOICES),
+        }
+        for flag, (value, allowed) in choices.items():
+            if value not in allowed:
+                raise UserError(f"--{flag} {value!r} is not one of: {', '.join(allowed)}")
+
+    def config(self, ready_file: Path | None = None, report: Callable[[str], None] = say) -> ServePairConfig:
+        """The ServePairConfig these flags describe (generating the preset model if --model is not given)."""
+        from pydantic import ValidationError
+
+        from kvtool.model import ensure_default_model
+        from kvtool.serve_pair import ServePairConfig, default_log_dir
+
+        self.check()
+        if self.model_size is not None:
+            report("--model-size is deprecated; use --model-preset")
+        model = self.model
+        if model is None:
+            report(f"no --model given; using the generated {self.preset} model")
+            model = ensure_default_model(preset=self.preset)
+        try:
+            return ServePairConfig(
+                model=model.expanduser().resolve(),
+                producer_port=self.producer_port,
+                consumer_port=self.consumer_port,
+                master_port=self.master_port,
+                admin_port=self.admin_port,
+                external_master=self.master,
+                store_port=self.store_port,
+                block_size=self.block_size,
+                hash_unit=self.hash_unit,
+                store=self.store,
+                connector=self.connector,
+                roles=self.roles,
+                log_dir=(self.log_dir or default_log_dir()).resolve(),
+                ready_file=ready_file.resolve() if ready_file else None,
+                kv_cache_gib=self.kv_cache_gib,
+                memory_utilization=self.memory_utilization,
+                dtype=self.dtype,
+                enforce_eager=self.enforce_eager,
+                startup_timeout_s=self.startup_timeout,
+            )
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            flag = "--" + str(first["loc"][0]).replace("_", "-")
+            raise UserError(f"{flag}: {first['msg']}") from None
+
+
+# ---- inspect: where to look -----------------------------------------------------------------
+
+AdminOpt = Annotated[
+    str | None,
+    typer.Option("--admin", help="the Mooncake master's admin URL (its --metrics_port), e.g. http://127.0.0.1:9003"),
+]
+ReadyFileOpt = Annotated[
+    Path | None, typer.Option("--pair", help="a `kvtool serve-pair --ready-file` to take every address from")
+]
+MasterOpt = Annotated[
+    str | None,
+    typer.Option("--master", help="the master's RPC HOST:PORT, to read object bytes \\[default: from --pair]"),
+]
+NamespaceOpt = Annotated[str | None, typer.Option("--namespace", help="a 16-hex kvtool namespace")]

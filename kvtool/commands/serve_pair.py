@@ -1,0 +1,68 @@
+"""`kvtool serve-pair`: start a master, a producer and a consumer on 127.0.0.1 and keep them running."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from kvtool.commands.options import PairOptions, with_options
+from kvtool.commands.output import out, say, user_errors_exit
+
+
+@user_errors_exit
+@with_options(pair=PairOptions)
+def serve_pair_command(
+    pair: PairOptions,
+    ready_file: Annotated[
+        Path | None,
+        typer.Option(help="once all are healthy, write their addresses here as JSON; removed on exit"),
+    ] = None,
+    smoke: Annotated[
+        bool, typer.Option("--smoke", help="run one producer-then-consumer check, print it, stop")
+    ] = False,
+) -> None:
+    """Start a Mooncake master, a producer and a consumer vLLM server on 127.0.0.1 and keep them running.
+
+    A master (or standalone store) that dies or stops answering its health check is killed and started
+    again on the same ports, with back-off. Stops everything on Ctrl-C, on SIGTERM or when an engine
+    dies (exit 130 for a signal, 1 for a death).
+    """
+    from kvtool.launch import run_pair
+    from kvtool.smoke import run_smoke
+
+    cfg = pair.config(ready_file=ready_file)
+
+    def on_ready(info: dict[str, Any]) -> None:
+        print_pair(info)
+        if not smoke:
+            say("serving; Ctrl-C stops everything")
+
+    code = run_pair(cfg, say, on_ready, smoke=(lambda info: run_smoke(info, out)) if smoke else None)
+    if code:
+        raise typer.Exit(code)
+
+
+def print_pair(info: dict[str, Any]) -> None:
+    table = Table(title="kvtool serve-pair")
+    table.add_column("process")
+    table.add_column("pid", justify="right")
+    table.add_column("address")
+    table.add_column("log")
+    addresses = {
+        "master": f"{info['master']} (admin {info['admin']})",
+        "store": info.get("store_address") or "",
+        "producer": info["producer"],
+        "consumer": info["consumer"],
+    }
+    for name, pid in info["pids"].items():
+        table.add_row(name, str(pid), addresses.get(name, ""), str(Path(info["log_dir"]) / f"{name}.log"))
+    out.print(table)
+    out.print(
+        f"model: {info['model']}\nconnector: {info['connector']}  roles: {info['roles']}  "
+        f"store: {info['store']}  block size: {info['block_size']}  hash unit: {info['hash_unit']}",
+        soft_wrap=True,
+        highlight=False,
+    )
