@@ -25,10 +25,6 @@ _MOONCAKE_FIELDS = (
 )
 
 
-# Testing only: names a fault plan file (see connector/faults.py) for engines started by a test.
-FAULT_CONTROL_ENV = "KVTOOL_FAULT_CONTROL_FILE"
-
-
 class ConfigError(ValueError):
     """A bad connector configuration; the message names the field and what it accepts."""
 
@@ -89,8 +85,6 @@ def load_config(extra_config: dict[str, Any] | None) -> KVToolConfig:
     if file_path:
         merged.update(_read_mooncake_file(Path(file_path)))
     merged.update(raw)
-    if "fault_control_file" not in merged and os.environ.get(FAULT_CONTROL_ENV):
-        merged["fault_control_file"] = os.environ[FAULT_CONTROL_ENV]
     try:
         return KVToolConfig(**merged)
     except ValidationError as exc:

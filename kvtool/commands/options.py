@@ -175,6 +175,10 @@ class PairOptions:
     dtype: Annotated[str, _pair("vLLM --dtype (float32 keeps logprob comparisons exact)")] = "float32"
     enforce_eager: Annotated[bool, _pair("pass --enforce-eager to vLLM (no compilation)")] = False
     startup_timeout: Annotated[float, _pair("seconds to wait for both servers to be healthy")] = 300.0
+    fault_control_file: Annotated[
+        Path | None,
+        _pair("testing only: a fault plan file (connector/faults.py) the kvtool connectors re-read", hidden=True),
+    ] = None
 
     @property
     def preset(self) -> str:
@@ -232,6 +236,7 @@ class PairOptions:
                 dtype=self.dtype,
                 enforce_eager=self.enforce_eager,
                 startup_timeout_s=self.startup_timeout,
+                fault_control_file=self.fault_control_file.resolve() if self.fault_control_file else None,
             )
         except ValidationError as exc:
             first = exc.errors()[0]

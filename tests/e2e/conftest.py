@@ -89,10 +89,10 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     # The engines' connectors read a fault plan from this file while they run (absent: no faults);
     # the fault suite writes it and removes it again.
     fault_control = workdir / "faults.json"
-    env = {**os.environ, "KVTOOL_FAULT_CONTROL_FILE": str(fault_control)}
+    argv += ["--fault-control-file", str(fault_control)]
     with open(log_dir / "serve-pair.log", "wb") as own_log:
         process = subprocess.Popen(
-            argv, stdout=own_log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, start_new_session=True, env=env
+            argv, stdout=own_log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, start_new_session=True
         )
     try:
         deadline = time.monotonic() + READY_TIMEOUT_S
