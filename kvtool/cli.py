@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 
 import typer
@@ -27,7 +28,12 @@ app.command("model", epilog=EXIT_CODES_EPILOG)(model_command)
 app.add_typer(inspect_app, name="inspect")
 
 
+def _terminate_as_interrupt(_signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt  # SIGTERM stops a command as Ctrl-C does: what it started is stopped, exit 130
+
+
 def main() -> None:
+    signal.signal(signal.SIGTERM, _terminate_as_interrupt)  # serve-pair installs handlers of its own
     try:
         app()  # standalone: usage errors exit 2
     except UserError as exc:  # raised outside a command, e.g. while parsing

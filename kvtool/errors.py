@@ -12,7 +12,7 @@ EXIT_CODES: tuple[tuple[int, str], ...] = (
     (EXIT_OK, "ok (a bench's answer mismatches are in its results, not in the exit code)"),
     (EXIT_RUNTIME, "a server or the store failed, died or was unreachable (bench --compare: a connector's run)"),
     (EXIT_USAGE, "bad input (a flag, a file, a workload), refused before a pair starts or a store is asked"),
-    (EXIT_INTERRUPTED, "interrupted (Ctrl-C; for serve-pair also SIGTERM)"),
+    (EXIT_INTERRUPTED, "interrupted (Ctrl-C or SIGTERM); what the command started is stopped first"),
 )
 
 

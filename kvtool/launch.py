@@ -75,26 +75,22 @@ def start_mooncake(cfg: ServePairConfig, procs: ProcessSet, say: Reporter) -> di
             mooncake_config_path(cfg),
             vllm_mooncake_file_config(cfg.master_address, cfg.engine_segment_bytes, cfg.local_buffer_bytes),
         )
+    wanted = []  # in order: the store registers with the master
     if cfg.starts_master:
-        say(f"starting mooncake_master on {cfg.master_address} (admin {admin_url_for(cfg)})")
-        master = procs.start(
-            "master",
+        wanted.append((
+            "master", MASTER_LABEL, f"on {cfg.master_address} (admin {admin_url_for(cfg)})",
             master_argv(cfg, find_binary("mooncake_master")),
-            env=mooncake_env(),
-            readiness=ReadinessCheck(http_url=f"{admin_url_for(cfg)}/health"),
-        )
-        procs.wait_ready([master], timeout_s=30)
-        labels["master"] = MASTER_LABEL
+            ReadinessCheck(http_url=f"{admin_url_for(cfg)}/health"), 30,
+        ))  # fmt: skip
     if cfg.starts_store:
-        say(f"starting the standalone store (mooncake_client) on {LOOPBACK}:{cfg.store_port}")
-        store = procs.start(
-            "store",
-            store_argv(cfg, find_binary("mooncake_client")),
-            env=mooncake_env(),
-            readiness=ReadinessCheck(tcp_port=cfg.store_port),
-        )
-        procs.wait_ready([store], timeout_s=60)
-        labels["store"] = STORE_LABEL
+        wanted.append((
+            "store", STORE_LABEL, f"on {LOOPBACK}:{cfg.store_port}",
+            store_argv(cfg, find_binary("mooncake_client")), ReadinessCheck(tcp_port=cfg.store_port), 60,
+        ))  # fmt: skip
+    for name, label, where, argv, readiness, timeout_s in wanted:
+        say(f"starting {label} {where}")
+        procs.wait_ready([procs.start(name, argv, env=mooncake_env(), readiness=readiness)], timeout_s=timeout_s)
+        labels[name] = label
     return labels
 
 

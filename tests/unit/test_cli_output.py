@@ -323,3 +323,55 @@ def test_the_cli_and_the_inspect_library_do_not_import_each_other():
     )
     done = subprocess.run([sys.executable, "-c", probe], cwd=Path(__file__).resolve().parents[2], capture_output=True)
     assert done.returncode == 0, done.stderr.decode()
+
+
+def test_sigterm_stops_a_bench_as_ctrl_c_does(tmp_path):
+    """SIGTERM while the bench waits on its pair: one line, exit 130, no traceback."""
+    import http.server
+    import signal
+    import threading
+
+    asked = threading.Event()
+    release = threading.Event()
+
+    class Pair(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # /health: both engines are up
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def do_POST(self):  # the first completion never answers until the test is done
+            asked.set()
+            release.wait(60)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Pair)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"vocab_size": 1000}))
+    url = f"http://127.0.0.1:{server.server_port}"
+    ready = tmp_path / "ready.json"
+    ready.write_text(json.dumps({
+        "producer": url, "consumer": url, "model": str(model), "block_size": 32, "hash_unit": 1,
+        "max_model_len": 2048, "connector": "none",
+    }))  # fmt: skip
+    bench = subprocess.Popen(
+        [sys.executable, "-m", "kvtool.cli", "bench", "--pair", str(ready), "--requests", "2"],
+        cwd=Path(__file__).resolve().parents[2],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        assert asked.wait(120), "the bench never sent a request"
+        bench.send_signal(signal.SIGTERM)
+        _, stderr = bench.communicate(timeout=60)
+    finally:
+        release.set()
+        if bench.poll() is None:
+            bench.kill()
+        server.shutdown()
+    assert bench.returncode == 130, stderr.decode()
+    assert "interrupted" in stderr.decode() and "Traceback" not in stderr.decode()

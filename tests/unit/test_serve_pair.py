@@ -413,11 +413,17 @@ def test_process_set_reports_a_dead_process_with_its_log(tmp_path):
 def test_stop_all_leaves_no_process_of_the_group(tmp_path):
     processes = procs.ProcessSet(tmp_path)
     # The shell ignores SIGTERM and its background child would outlive it: both must still go.
-    leader = processes.start("stubborn", ["sh", "-c", "trap '' TERM; sleep 60 & wait"])
-    time.sleep(0.3)
+    started = tmp_path / "child.pid"
+    leader = processes.start("stubborn", ["sh", "-c", f"trap '' TERM; sleep 60 & echo $! > {started}; wait"])
+    for _ in range(1000):  # the trap is set once the child's pid is written (at most 10 s)
+        if started.exists() and started.read_text().strip():
+            break
+        time.sleep(0.01)
+    child = int(started.read_text())
     processes.stop_all(grace_s=0.5)
     assert leader.exit_code() is not None
     assert not procs._group_alive(leader.pid)
+    assert not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]
 
 
 def test_missing_executable_is_a_user_error(tmp_path):
