@@ -7,6 +7,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from connector.hits import HitDetails
 from kvtool.admin import wait_for_key
 from kvtool.client import complete
 from kvtool.procs import http_ok
@@ -48,23 +49,30 @@ def prompt(seed: int, length: int) -> list[int]:
     return [rng.randrange(10, 900) for _ in range(length)]
 
 
-def wait_save_ended(pair: dict, details: dict, timeout_s: float = 60.0) -> None:
+def hit_details(response: dict) -> HitDetails:
+    """The kvtool hit details of a /v1/completions response (the connector returns them on every one)."""
+    details = HitDetails.from_response(response)
+    assert details is not None, f"the response carries no kvtool hit details: {response.get('kv_transfer_params')}"
+    return details
+
+
+def wait_save_ended(pair: dict, details: HitDetails, timeout_s: float = 60.0) -> None:
     """Wait until the producer's save ended: its final watermark record is written after every put."""
-    key = details.get("watermark_key")
+    key = details.watermark_key
     assert key, f"the producer published nothing: {details}"
     assert wait_for_key(pair["admin"], key, timeout_s), f"{key} did not appear in the store in {timeout_s} s"
 
 
-def produce(pair: dict, tokens: list[int], expect_stored: bool = True) -> dict:
+def produce(pair: dict, tokens: list[int], expect_stored: bool = True) -> HitDetails:
     response = complete(pair["producer"], pair["model"], tokens, max_tokens=1)
-    details = response["kv_transfer_params"]["kvtool"]
+    details = hit_details(response)
     wait_save_ended(pair, details)
     if expect_stored:
-        assert wait_for_key(pair["admin"], details["save_last_key"], 0), "the save ended without its last object"
+        assert wait_for_key(pair["admin"], details.save_last_key, 0), "the save ended without its last object"
     return details
 
 
-def consume(pair: dict, tokens: list[int]) -> tuple[dict, dict]:
+def consume(pair: dict, tokens: list[int]) -> tuple[HitDetails, dict]:
     extra = {"return_tokens_as_token_ids": True}
     answer = complete(pair["consumer"], pair["model"], tokens, max_tokens=GENERATE, logprobs=5, extra=extra)
     # prompt_logprobs makes vLLM skip every cache for this request: a full recomputation.
@@ -73,4 +81,4 @@ def consume(pair: dict, tokens: list[int]) -> tuple[dict, dict]:
     )
     comparison = compare_answers(answer, reference, TOLERANCE)
     assert comparison.matches, comparison.reason
-    return answer["kv_transfer_params"]["kvtool"], answer
+    return hit_details(answer), answer

@@ -15,9 +15,10 @@ import pytest
 from connector.config import load_config
 from connector.store import open_store
 from connector.watermarks import SaveState, WatermarkRecord
+from kvtool import prometheus
 from kvtool.client import complete
 
-from .pairtools import consume, produce, prompt
+from .pairtools import consume, hit_details, produce, prompt
 
 pytestmark = pytest.mark.e2e
 
@@ -43,12 +44,7 @@ def reader(pair):
 
 
 def metric(pair: dict, role: str, name: str) -> float:
-    text = httpx.get(f"{pair[role]}/metrics", timeout=10).text
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name) and not line.startswith("#"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    return prometheus.total(httpx.get(f"{pair[role]}/metrics", timeout=10).text, name) or 0.0
 
 
 def wait_metric(pair: dict, role: str, name: str, above: float, timeout_s: float = 30.0) -> float:
@@ -67,8 +63,8 @@ def test_a_corrupted_object_is_rejected_and_recomputed(pair, how, cause):
     before = metric(pair, "consumer", f"vllm:kvtool_load_failures_{cause}_total")
     with faults(pair, corrupt_get=how):
         details, _ = consume(pair, base + prompt(7, 12))  # the answer equals the recomputation
-    assert details["load_failure"] == cause
-    assert details["external_hit_tokens"] == 0
+    assert details.load_failure == cause
+    assert details.external_hit_tokens == 0
     assert wait_metric(pair, "consumer", f"vllm:kvtool_load_failures_{cause}_total", before) > before
 
 
@@ -90,7 +86,7 @@ def test_a_request_aborted_while_its_load_fails_leaves_no_stale_blocks_for_a_loc
         assert wait_metric(pair, "consumer", "vllm:kvtool_load_failures_checksum_total", before) > before
     # The same prefix again, the store healthy: whatever is reused, the answer equals a recomputation.
     details, _ = consume(pair, base + prompt(117, 4))
-    assert details["local_hit_tokens"] + details["external_hit_tokens"] == len(base)
+    assert details.reused_tokens == len(base)
 
 
 def test_objects_gone_after_a_positive_lookup_are_a_recompute(pair):
@@ -99,7 +95,7 @@ def test_objects_gone_after_a_positive_lookup_are_a_recompute(pair):
     produce(pair, base)
     with faults(pair, fail_get=True):
         details, _ = consume(pair, base + prompt(8, 20))
-    assert details["load_failure"] == "missing" and details["external_hit_tokens"] == 0
+    assert details.load_failure == "missing" and details.external_hit_tokens == 0
 
 
 def test_a_slow_store_is_a_miss_within_the_lookup_timeout(pair):
@@ -107,36 +103,36 @@ def test_a_slow_store_is_a_miss_within_the_lookup_timeout(pair):
     produce(pair, base)
     with faults(pair, delay_s=4.0):  # past the 2 s lookup time-out
         details, _ = consume(pair, base + prompt(9, 10))
-    assert details["lookup"].startswith("error:") and "timed out" in details["lookup"]
-    assert details["external_hit_tokens"] == 0
+    assert details.lookup.startswith("error:") and "timed out" in details.lookup
+    assert details.external_hit_tokens == 0
     # Back to normal once the circuit breaker's back-off (1 s after a time-out) has passed: hits again.
     deadline, seed = time.monotonic() + 60, 10
     while True:
         details, _ = consume(pair, base + prompt(seed, 10))
-        if not details["lookup"].startswith("error:") or time.monotonic() > deadline:
+        if not details.lookup.startswith("error:") or time.monotonic() > deadline:
             break
         seed += 1
         time.sleep(0.5)
-    assert details["local_hit_tokens"] + details["external_hit_tokens"] == 40  # block 0 is local by now
-    assert details["tail_hit_tokens"] == 8
+    assert details.reused_tokens == 40  # block 0 is local by now
+    assert details.tail_hit_tokens == 8
 
 
 def test_a_full_store_keeps_the_tail_a_miss_and_the_watermark_at_the_last_block(pair, reader):
     base = prompt(130, 85)
     with faults(pair, put_outcome="no_space", put_kinds=["t"]):
         published = produce(pair, base, expect_stored=False)
-    (value,) = reader.get([published["watermark_key"]])
+    (value,) = reader.get([published.watermark_key])
     record = WatermarkRecord.decode(value)
     assert (record.state, record.durable_offset, record.tail_durable) == (SaveState.FAILED, 64, False)
     assert "no_space" in record.reason
     details, _ = consume(pair, base + prompt(11, 10))
-    assert (details["external_hit_tokens"], details["tail_hit_tokens"]) == (64, 0)
+    assert (details.external_hit_tokens, details.tail_hit_tokens) == (64, 0)
 
 
 def test_a_durable_save_publishes_its_watermark_at_the_prompt_length(pair, reader):
     base = prompt(140, 53)
     published = produce(pair, base)
-    (value,) = reader.get([published["watermark_key"]])
+    (value,) = reader.get([published.watermark_key])
     record = WatermarkRecord.decode(value)
     assert (record.state, record.durable_offset, record.tail_boundary, record.tail_durable) == (
         SaveState.DURABLE,
@@ -154,7 +150,7 @@ def test_the_same_prompt_published_twice_at_once_gives_one_object_and_no_error(p
         answers = list(pool.map(lambda _: complete(pair["producer"], pair["model"], base, max_tokens=1), range(2)))
     assert all(a["choices"][0]["finish_reason"] for a in answers)
     details, _ = consume(pair, base + prompt(12, 5))
-    assert details["external_hit_tokens"] == 70
+    assert details.external_hit_tokens == 70
 
 
 @pytest.mark.parametrize("bad_prompt", [[], list(range(10, 10 + 2100))], ids=["empty", "longer-than-the-model"])
@@ -167,17 +163,17 @@ def test_bad_prompts_get_a_clear_error_and_the_engine_keeps_serving(pair, bad_pr
     base = prompt(160 + len(bad_prompt), 30)  # a prompt of its own per case
     produce(pair, base)
     details, _ = consume(pair, base + prompt(13, 5))
-    assert details["external_hit_tokens"] == 30
+    assert details.external_hit_tokens == 30
 
 
 def test_a_lookup_while_the_save_is_in_flight_is_a_miss_or_a_whole_hit(pair):
     base = prompt(170, 85)
     seen = []
     with faults(pair, put_delay_s=0.4):  # each put of the producer's save takes 0.4 s
-        published = complete(pair["producer"], pair["model"], base, max_tokens=1)["kv_transfer_params"]["kvtool"]
+        published = hit_details(complete(pair["producer"], pair["model"], base, max_tokens=1))
         for extra in range(4):  # look up while the three objects land one by one
             details, _ = consume(pair, base + prompt(180 + extra, 4))  # answers equal the recomputation
-            seen.append(details["local_hit_tokens"] + details["external_hit_tokens"])
-    assert published["save_objects"] == 3
+            seen.append(details.reused_tokens)
+    assert published.save_objects == 3
     # Only whole objects are ever visible: the reuse is a prefix of stored blocks or the whole prompt.
     assert all(hit in (0, 32, 64, 85) for hit in seen), seen

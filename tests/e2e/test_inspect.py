@@ -65,7 +65,7 @@ def remove(pair: dict, key: str, timeout_s: float = 30.0) -> None:
 def test_inspect_follows_a_producer_request_and_predicts_the_consumer(pair, ready_file):
     kept, removed = prompt(401, LENGTH), prompt(402, LENGTH)
     kept_details, removed_details = produce(pair, kept), produce(pair, removed)
-    namespace = kept_details["namespace"]
+    namespace = kept_details.namespace
     keys = PromptKeys.build(kept, pair["block_size"], pair["hash_unit"], namespace, RequestIdentity().root_hash())
 
     # keys: the request's block and tail keys, decoded.
@@ -74,14 +74,14 @@ def test_inspect_follows_a_producer_request_and_predicts_the_consumer(pair, read
     for index, end in ((0, 32), (1, 64)):
         entry = by_key[keys.block_key(index)]
         assert (entry["kind"], entry["end_token"], entry["tokens"]) == ("block", end, 32)
-    tail = by_key[kept_details["save_last_key"]]
+    tail = by_key[kept_details.save_last_key]
     assert tail["key"] == keys.tail_key(LENGTH)
     assert (tail["kind"], tail["namespace"], tail["end_token"], tail["tokens"]) == ("tail", namespace, LENGTH, 13)
 
     # watermarks: the request is durable at its prompt length.
     rows = inspect("watermarks", "--pair", ready_file, "--namespace", namespace)["watermarks"]
     by_request = {row["request_hash"]: row for row in rows}
-    kept_row = by_request[decode_key(kept_details["watermark_key"]).request_hash]
+    kept_row = by_request[decode_key(kept_details.watermark_key).request_hash]
     assert (kept_row["state"], kept_row["prompt_tokens"], kept_row["durable_offset"]) == ("durable", LENGTH, LENGTH)
     assert (kept_row["tail_boundary"], kept_row["tail_durable"]) == (LENGTH, True)
 
@@ -90,17 +90,17 @@ def test_inspect_follows_a_producer_request_and_predicts_the_consumer(pair, read
     report, boundaries = predicted(ready_file, query, namespace)
     assert report["hit_tokens"] == LENGTH and boundaries[("tail", LENGTH)]["in_hit"]
     details, _ = consume(pair, query)
-    assert details["local_hit_tokens"] + details["external_hit_tokens"] == report["hit_tokens"]
+    assert details.reused_tokens == report["hit_tokens"]
 
     # After the tail object is removed: the miss is named, and the smaller hit predicted.
-    remove(pair, removed_details["save_last_key"])
-    removed_row = by_request[decode_key(removed_details["watermark_key"]).request_hash]
+    remove(pair, removed_details.save_last_key)
+    removed_row = by_request[decode_key(removed_details.watermark_key).request_hash]
     query = removed + prompt(404, 10)
     report, boundaries = predicted(ready_file, query, namespace, "--request-id", removed_row["request_id"])
     assert boundaries[("tail", LENGTH)]["miss_reason"].startswith("evicted or expired"), boundaries
     assert report["hit_tokens"] == 64
     details, _ = consume(pair, query)
-    assert details["local_hit_tokens"] + details["external_hit_tokens"] == report["hit_tokens"]
+    assert details.reused_tokens == report["hit_tokens"]
 
 
 def test_inspect_prompt_tokenizes_text_with_the_served_models_tokenizer(pair, ready_file):

@@ -29,7 +29,7 @@ from connector.store import open_store
 from kvtool.client import complete
 from kvtool.procs import find_free_port, log_tail
 
-from .pairtools import consume, produce, prompt, wait_save_ended
+from .pairtools import consume, hit_details, produce, prompt, wait_save_ended
 
 pytestmark = pytest.mark.e2e
 
@@ -52,6 +52,9 @@ def both_engine(pair, tmp_path_factory) -> Iterator[dict]:
         "local_buffer_size": 64 << 20,
         "hash_unit": 1,
         "fault_control_file": str(faults),
+        # The test is about the checksum path: a load time-out would open the breaker and skip the save
+        # under test (see warmed_up for the slow first fetch).
+        "load_timeout_s": 60.0,
     }
     transfer = {
         "kv_connector": "KVToolConnector",
@@ -77,7 +80,6 @@ def both_engine(pair, tmp_path_factory) -> Iterator[dict]:
         "VLLM_NO_USAGE_STATS": "1",
         "PYTHONPATH": str(REPO_ROOT),
     }
-    env.pop("KVTOOL_FAULT_CONTROL_FILE", None)
     env.pop("MOONCAKE_CONFIG_PATH", None)
     log_path = workdir / "kv-both.log"
     with open(log_path, "wb") as log:
@@ -122,7 +124,26 @@ def payloads(pair: dict, tokens: list[int], namespace: str, salt: str | None) ->
     return [value[HEADER_SIZE:] if value else None for value in values]
 
 
+def warmed_up(pair: dict, both_engine: dict) -> None:
+    """The engine loads a clean stored prompt once before the test proper.
+
+    A fresh Mooncake client's first transfer from a peer's segment sometimes stalls until the object's
+    lease expires (about 10 s, seen after other clients came and went on the same master): that load
+    fails as a miss, as it must, and the next one is fast. Known Mooncake TCP-transport behaviour (see
+    the README's known issues); this test is about the checksum path, so it starts past it.
+    """
+    for attempt in range(3):
+        tokens = prompt(790 + attempt, 40)
+        produce(pair, tokens)
+        answer = complete(both_engine["url"], pair["model"], tokens + prompt(795, 4), max_tokens=1)
+        if hit_details(answer).external_hit_tokens == len(tokens):
+            return
+        time.sleep(2.0)  # past the breaker's back-off after a failed load
+    pytest.fail(f"the kv_both engine loaded no clean prompt in 3 attempts:\n{log_tail(both_engine['log'], 30)}")
+
+
 def test_a_failed_load_on_a_kv_both_engine_publishes_only_recomputed_kv(pair, both_engine):
+    warmed_up(pair, both_engine)
     block = pair["block_size"]
     shorter = prompt(800, block + 8)  # one block and a tail, stored by the producer
     produced = produce(pair, shorter)
@@ -133,17 +154,16 @@ def test_a_failed_load_on_a_kv_both_engine_publishes_only_recomputed_kv(pair, bo
         answer = complete(both_engine["url"], pair["model"], full, max_tokens=1)
     finally:
         both_engine["faults"].unlink()
-    details = answer["kv_transfer_params"]["kvtool"]
-    assert details["stored_prefix_tokens"] == len(shorter), details
-    # The flipped byte fails the checksum; on a loaded machine the engine's first fetch can also run
-    # past the load time-out first. Either way the load failed and vLLM recomputed the prompt.
-    assert details["external_hit_tokens"] == 0 and details["load_failure"] in ("checksum", "timeout"), details
-    assert details["save_objects"] >= 2, details  # blocks 1 and 2 were its to store
+    details = hit_details(answer)
+    assert details.stored_prefix_tokens == len(shorter), details
+    # The flipped byte fails the checksum: the load failed and vLLM recomputed the prompt.
+    assert details.external_hit_tokens == 0 and details.load_failure == "checksum", details
+    assert details.save_objects >= 2, details  # blocks 1 and 2 were its to store
     wait_save_ended(pair, details)
 
     # A clean producer's bytes for the same tokens, under another salt (other keys, the same KV).
     reference = complete(pair["producer"], pair["model"], full, max_tokens=1, extra={"cache_salt": "clean"})
-    wait_save_ended(pair, reference["kv_transfer_params"]["kvtool"])
+    wait_save_ended(pair, hit_details(reference))
     namespace = produced["namespace"]
     stored = payloads(pair, full, namespace, None)
     expected = payloads(pair, full, namespace, "clean")
@@ -153,4 +173,4 @@ def test_a_failed_load_on_a_kv_both_engine_publishes_only_recomputed_kv(pair, bo
 
     # And a consumer that loads them answers as a recomputation does (consume() checks it).
     hit, _ = consume(pair, full + prompt(802, 5))
-    assert hit["external_hit_tokens"] == len(full), hit
+    assert hit.external_hit_tokens == len(full), hit

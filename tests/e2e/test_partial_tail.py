@@ -8,6 +8,8 @@ import pytest
 
 from kvtool.client import complete
 
+from connector.hits import HitDetails
+
 from .pairtools import consume, produce, prompt
 
 pytestmark = pytest.mark.e2e
@@ -18,8 +20,8 @@ def test_sub_block_prompt_is_reused_as_a_tail(pair):
     produced = produce(pair, base)
     assert produced["save_tail_boundary"] == 20
     details, _ = consume(pair, base + prompt(2, 17))
-    assert details["external_hit_tokens"] == 20
-    assert (details["block_hit_tokens"], details["tail_hit_tokens"]) == (0, 20)
+    assert details.external_hit_tokens == 20
+    assert (details.block_hit_tokens, details.tail_hit_tokens) == (0, 20)
 
 
 def test_cross_block_prompt_is_reused_blocks_plus_tail_then_repeated(pair):
@@ -27,8 +29,8 @@ def test_cross_block_prompt_is_reused_blocks_plus_tail_then_repeated(pair):
     produced = produce(pair, base)
     assert produced["save_objects"] == 3 and produced["save_tail_boundary"] == 85
     details, _ = consume(pair, base + prompt(4, 10))
-    assert details["external_hit_tokens"] == 85
-    assert (details["block_hit_tokens"], details["tail_hit_tokens"]) == (64, 21)
+    assert details.external_hit_tokens == 85
+    assert (details.block_hit_tokens, details.tail_hit_tokens) == (64, 21)
 
     # Unchanged: the consumer's own cache holds the two full blocks, the store gives the tail,
     # and one prompt token is left to compute.
@@ -39,8 +41,8 @@ def test_cross_block_prompt_is_reused_blocks_plus_tail_then_repeated(pair):
 
 def test_a_prompt_never_published_misses(pair):
     details, _ = consume(pair, prompt(5, 70))
-    assert details["external_hit_tokens"] == 0
-    assert details["lookup"] == "miss"
+    assert details.external_hit_tokens == 0
+    assert details.lookup == "miss"
 
 
 def test_streamed_requests_are_attributed_through_the_request_log(pair):
@@ -60,9 +62,9 @@ def test_streamed_requests_are_attributed_through_the_request_log(pair):
     )
     assert streamed["usage"]["prompt_tokens_details"]["cached_tokens"] == 40
     lines = Path(pair["request_logs"]["consumer"]).read_text().splitlines()
-    records = [json.loads(line) for line in lines if tag in line]
+    records = [HitDetails.from_dict(json.loads(line)) for line in lines if tag in line]
     assert len(records) == 1
-    assert (records[0]["external_hit_tokens"], records[0]["block_hit_tokens"], records[0]["tail_hit_tokens"]) == (
+    assert (records[0].external_hit_tokens, records[0].block_hit_tokens, records[0].tail_hit_tokens) == (
         40,
         32,
         8,

@@ -35,13 +35,6 @@ def supervisor_log(pair) -> str:
     return path.read_text() if path.exists() else "(no supervisor.log)"
 
 
-def hits_first(pair, seed: int) -> None:
-    base = prompt(seed, 45)
-    produce(pair, base)
-    details, _ = consume(pair, base + prompt(seed + 1, 5))
-    assert details["external_hit_tokens"] == 45
-
-
 def consume_until_replaced(pair, pair_master, old_pid: int, seed: int) -> int:
     """Ask the consumer for new prompts until serve-pair runs a new, healthy master; return its pid.
 
@@ -51,7 +44,7 @@ def consume_until_replaced(pair, pair_master, old_pid: int, seed: int) -> int:
     answered = 0
     while True:
         details, _ = consume(pair, prompt(seed + answered, 45) + prompt(seed + 1000 + answered, 5))
-        assert details["external_hit_tokens"] == 0, details
+        assert details.external_hit_tokens == 0, details
         answered += 1
         pid = pair_master.pid()
         if pid != old_pid and pair_master.healthy():
@@ -65,7 +58,10 @@ def consume_until_replaced(pair, pair_master, old_pid: int, seed: int) -> int:
 def hits_again(pair, seed: int) -> None:
     """The engines' clients reconnect on their own, and each engine's circuit breaker lets the store
     back in after its back-off: publish and consume fresh prompts until a save lands and the consumer
-    hits it. Every answer on the way must equal a recomputation (consume checks it)."""
+    hits it. Every answer on the way must equal a recomputation (consume checks it).
+
+    Each test starts with it too: the pair must hit before the master is killed or frozen, whatever
+    an earlier test left (a breaker still backing off, a master just replaced)."""
     deadline = time.monotonic() + RECONNECT_TIMEOUT_S
     while True:
         again = prompt(seed, 45)
@@ -76,21 +72,22 @@ def hits_again(pair, seed: int) -> None:
                 raise
         else:
             details, _ = consume(pair, again + prompt(seed + 5000, 5))
-            if details["external_hit_tokens"] == 45 or time.monotonic() > deadline:
-                assert details["external_hit_tokens"] == 45, details
+            if details.external_hit_tokens == 45 or time.monotonic() > deadline:
+                assert details.external_hit_tokens == 45, details
                 return
         seed += 1
         time.sleep(1)
 
 
 def test_a_killed_master_is_restarted_by_serve_pair(pair, pair_master):
-    hits_first(pair, 200)
+    hits_again(pair, 200)
     old, restarts = pair_master.pid(), pair_master.restarts()
     os.kill(old, signal.SIGKILL)
 
     new = consume_until_replaced(pair, pair_master, old, seed=300)
     assert not is_running_master(old)
-    assert pair_master.restarts() == restarts + 1
+    # Once, or more when a start did not pass its health check in time on a loaded machine.
+    assert pair_master.restarts() >= restarts + 1, supervisor_log(pair)
     assert pair_master.address == pair["master"] and pair_master.ready()["admin"] == pair["admin"]
     assert f"(pid {old}) was killed by SIGKILL" in supervisor_log(pair)
     assert f"again as pid {new}" in supervisor_log(pair)
@@ -98,7 +95,7 @@ def test_a_killed_master_is_restarted_by_serve_pair(pair, pair_master):
 
 
 def test_a_frozen_master_is_replaced_by_serve_pair(pair, pair_master):
-    hits_first(pair, 600)
+    hits_again(pair, 600)
     old, restarts = pair_master.pid(), pair_master.restarts()
     os.kill(old, signal.SIGSTOP)  # its ports stay open and nothing answers: only a health check tells
     # A stream decodes through the freeze while new prompts arrive: no engine step waits on the store
@@ -120,7 +117,7 @@ def test_a_frozen_master_is_replaced_by_serve_pair(pair, pair_master):
     assert not decoding.is_alive(), "the stream hung while the master was frozen"
     assert streamed["usage"]["completion_tokens"] == STREAM_TOKENS
     assert not is_running_master(old)
-    assert pair_master.restarts() == restarts + 1
+    assert pair_master.restarts() >= restarts + 1, supervisor_log(pair)
     log = supervisor_log(pair)
     assert f"(pid {old}) has failed its health check" in log and "killed it (SIGKILL)" in log
     assert f"again as pid {new}" in log

@@ -17,6 +17,8 @@ from kvtool.client import complete, wait_healthy
 from kvtool.model import ensure_default_model
 from kvtool.procs import find_free_port
 
+from .pairtools import hit_details
+
 pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
@@ -68,7 +70,7 @@ def test_an_unreachable_master_at_start_leaves_the_engine_serving(tmp_path):
         wait_healthy(f"http://127.0.0.1:{port}", timeout_s=300)
         answer = complete(f"http://127.0.0.1:{port}", model, list(range(10, 60)), max_tokens=3)
         assert answer["choices"][0]["finish_reason"]
-        assert answer["kv_transfer_params"]["kvtool"]["external_hit_tokens"] == 0
+        assert hit_details(answer).external_hit_tokens == 0
     finally:
         engine.terminate()
         try:
