@@ -109,7 +109,7 @@ def test_inspect_prompt_tokenizes_text_with_the_served_models_tokenizer(pair, re
     text = "the quick brown fox jumps over the lazy dog"
     expected = AutoTokenizer.from_pretrained(pair["model"], local_files_only=True)(text)["input_ids"]
     assert len(expected) % pair["block_size"], "pick a text whose token count leaves a tail"
-    namespace = produce(pair, prompt(405, 40))["namespace"]
+    namespace = produce(pair, prompt(405, 40)).namespace
     report = inspect("prompt", "--pair", ready_file, "--text", text, "--namespace", namespace, "--no-verify")
     keys = PromptKeys.build(expected, pair["block_size"], pair["hash_unit"], namespace, RequestIdentity().root_hash())
     assert report["prompt_tokens"] == len(expected)

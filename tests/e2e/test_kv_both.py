@@ -164,7 +164,7 @@ def test_a_failed_load_on_a_kv_both_engine_publishes_only_recomputed_kv(pair, bo
     # A clean producer's bytes for the same tokens, under another salt (other keys, the same KV).
     reference = complete(pair["producer"], pair["model"], full, max_tokens=1, extra={"cache_salt": "clean"})
     wait_save_ended(pair, hit_details(reference))
-    namespace = produced["namespace"]
+    namespace = produced.namespace
     stored = payloads(pair, full, namespace, None)
     expected = payloads(pair, full, namespace, "clean")
     assert all(value is not None for value in stored + expected)

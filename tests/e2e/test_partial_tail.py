@@ -18,7 +18,7 @@ pytestmark = pytest.mark.e2e
 def test_sub_block_prompt_is_reused_as_a_tail(pair):
     base = prompt(1, 20)
     produced = produce(pair, base)
-    assert produced["save_tail_boundary"] == 20
+    assert produced.save_tail_boundary == 20
     details, _ = consume(pair, base + prompt(2, 17))
     assert details.external_hit_tokens == 20
     assert (details.block_hit_tokens, details.tail_hit_tokens) == (0, 20)
@@ -27,7 +27,7 @@ def test_sub_block_prompt_is_reused_as_a_tail(pair):
 def test_cross_block_prompt_is_reused_blocks_plus_tail_then_repeated(pair):
     base = prompt(3, 85)
     produced = produce(pair, base)
-    assert produced["save_objects"] == 3 and produced["save_tail_boundary"] == 85
+    assert produced.save_objects == 3 and produced.save_tail_boundary == 85
     details, _ = consume(pair, base + prompt(4, 10))
     assert details.external_hit_tokens == 85
     assert (details.block_hit_tokens, details.tail_hit_tokens) == (64, 21)
@@ -35,8 +35,8 @@ def test_cross_block_prompt_is_reused_blocks_plus_tail_then_repeated(pair):
     # Unchanged: the consumer's own cache holds the two full blocks, the store gives the tail,
     # and one prompt token is left to compute.
     repeat, _ = consume(pair, base)
-    assert repeat["local_hit_tokens"] + repeat["external_hit_tokens"] == 84
-    assert repeat["tail_hit_tokens"] == repeat["external_hit_tokens"] > 0
+    assert repeat.reused_tokens == 84
+    assert repeat.tail_hit_tokens == repeat.external_hit_tokens > 0
 
 
 def test_a_prompt_never_published_misses(pair):
