@@ -18,12 +18,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from .breaker import BreakerPolicy, CircuitBreaker, GuardedStore
 from .config import KVToolConfig, load_config
 from .data import KVToolMetadata, KVToolWorkerMeta
-from .layout import UnsupportedLayout, engine_namespace
+from .layout import EngineLayout, UnsupportedLayout, engine_layout
 from .metrics import KVToolStats
 from .scheduler import SchedulerSide
 from .store import StoreError, open_store
@@ -44,7 +45,7 @@ logger = logging.getLogger("vllm.kvtool")
 _ROLES = ("kv_producer", "kv_consumer", "kv_both")
 
 
-class KVToolConnector(KVConnectorBase_V1):
+class KVToolConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = self._kv_transfer_config
@@ -58,24 +59,28 @@ class KVToolConnector(KVConnectorBase_V1):
             logger.warning("kvtool: kv_load_failure_policy %r changed to 'recompute'", transfer.kv_load_failure_policy)
             transfer.kv_load_failure_policy = "recompute"
 
-        self.namespace = None
+        self.layout: EngineLayout | None = None
         try:
             if current_platform.device_type != "cpu":
                 raise UnsupportedLayout(
                     f"the KV cache is on {current_platform.device_type}; this version moves KV on the CPU only"
                 )
-            self.namespace = engine_namespace(
-                vllm_config, kv_cache_config, self.config.model_id, self.config.weights_digest
-            )
+            self.layout = engine_layout(vllm_config, kv_cache_config, self.config.model_id, self.config.weights_digest)
         except UnsupportedLayout as exc:
             logger.warning("kvtool: connector disabled, %s; the engine serves without it", exc)
-        self._store = self._open_store(role) if self.namespace is not None else None
+        self.namespace = self.layout.namespace if self.layout is not None else None
+        self._store = self._open_store(role) if self.layout is not None else None
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         namespace = self.namespace or _placeholder_namespace()
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(
-                self.config, namespace, self._store, loads_enabled=loads_enabled, saves_enabled=saves_enabled
+                self.config,
+                namespace,
+                self._store,
+                loads_enabled=loads_enabled,
+                saves_enabled=saves_enabled,
+                groups=self.layout.groups if self.layout is not None else None,
             )
         else:
             self._worker = WorkerSide(namespace, self._store, self.config, saves_enabled=saves_enabled)
@@ -115,6 +120,13 @@ class KVToolConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         return self._scheduler.request_finished(request)
 
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        # Saves copy their blocks in the step that computes them, so no group's blocks are held here.
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request)
+
     @property
     def requires_kv_delivery(self) -> bool:
         # A best-effort cache: a save lost to preemption is only a future miss.
@@ -124,11 +136,12 @@ class KVToolConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         assert self._worker is not None
-        if self.namespace is None or self._store is None:
+        if self.layout is None or self._store is None:
             return
-        group = self._kv_cache_config.kv_cache_groups[0]
         try:
-            self._worker.register_kv_caches(kv_caches, list(group.layer_names), self._kv_cache_config.num_blocks)
+            self._worker.register_kv_caches(
+                kv_caches, [list(names) for names in self.layout.layer_names], self._kv_cache_config.num_blocks
+            )
         except ValueError as exc:
             logger.warning("kvtool: connector disabled, %s", exc)
 

@@ -11,19 +11,21 @@ from .keys import KeyKind
 
 @dataclass(frozen=True)
 class BlockTransfer:
-    """One stored object and the physical block it is copied from or into."""
+    """One stored object and the physical block (of its cache group) it is copied from or into."""
 
     block_id: int
     kind: KeyKind
     token_start: int
     token_end: int
     chain_hash: bytes
+    group: int = 0
 
 
 @dataclass(frozen=True)
 class RequestLoad:
     req_id: str
     transfers: tuple[BlockTransfer, ...]
+    failure: str | None = None  # planned to fail: the worker reports it failed without reading anything
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,7 @@ class StoredObject:
     kind: KeyKind
     token_start: int
     token_end: int
+    group: int = 0
 
 
 @dataclass(frozen=True)

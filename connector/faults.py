@@ -34,12 +34,15 @@ class FaultPlan(BaseModel):
     fail_get: bool = False  # loads find nothing (the segment's owner is gone)
     corrupt_get: Literal["flip", "truncate", "namespace"] | None = None  # what loads read back
     put_outcome: Literal["no_space", "failed"] | None = None
-    put_kinds: tuple[Literal["b", "t", "w"], ...] = ("b", "t", "w")  # which keys put_outcome applies to
+    put_kinds: tuple[Literal["b", "t", "s", "w"], ...] = ("b", "t", "s", "w")  # which keys put_outcome hits
 
 
 def _kind_of(key: str) -> str:
+    """The kind letter of a key: kvtool/<v>/<ns>/w/... or kvtool/<v>/<ns>/<group>/<kind>/..."""
     parts = key.split("/")
-    return parts[3] if len(parts) > 3 else ""
+    if len(parts) > 3 and parts[3] == "w":
+        return "w"
+    return parts[4] if len(parts) > 4 else ""
 
 
 def corrupt(value: bytes, how: str) -> bytes:
@@ -104,7 +107,7 @@ class FaultyStore:
         if plan.corrupt_get is None:
             return values
         return [
-            corrupt(v, plan.corrupt_get) if v is not None and _kind_of(k) in ("b", "t") else v
+            corrupt(v, plan.corrupt_get) if v is not None and _kind_of(k) in ("b", "t", "s") else v
             for k, v in zip(keys, values, strict=True)
         ]
 

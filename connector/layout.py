@@ -1,43 +1,80 @@
-"""The namespace of an engine's KV: read once from vLLM's configuration, shared by both sides."""
+"""An engine's KV layout, read once from vLLM's configuration and shared by both sides: its cache
+groups (``connector.groups``) and the namespace of its stored KV."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .groups import CacheGroup, GroupKind, describe_groups
 from .identity import model_identity
-from .keys import Namespace
+from .keys import MAX_GROUP, Namespace
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
 
 
 class UnsupportedLayout(Exception):
     """The engine's KV cache is of a shape this connector does not handle; it runs disabled."""
 
 
-def engine_namespace(
+@dataclass(frozen=True)
+class EngineLayout:
+    namespace: Namespace
+    groups: tuple[CacheGroup, ...]
+    layer_names: tuple[tuple[str, ...], ...]  # per group
+
+
+def _group_kind(index: int, group: KVCacheGroupSpec) -> CacheGroup:
+    """What vLLM's KV cache manager does with a group's blocks decides how it is saved and loaded."""
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager, MambaManager, SlidingWindowManager
+    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+    spec = group.kv_cache_spec
+    manager = KVCacheSpecRegistry.get_manager_class(spec, getattr(group, "role", None))
+    if manager is FullAttentionManager:  # a sliding window folded into full attention keeps every block
+        return CacheGroup(index, GroupKind.FULL, spec.block_size)
+    if manager is SlidingWindowManager:
+        return CacheGroup(index, GroupKind.SLIDING, spec.block_size, window=spec.sliding_window)
+    if manager is MambaManager:
+        return CacheGroup(index, GroupKind.STATE, spec.block_size)
+    kind = manager.__name__ if manager is not None else "no manager"
+    raise UnsupportedLayout(f"KV cache group {index} ({type(spec).__name__}, {kind}) is not supported yet")
+
+
+def engine_layout(
     vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, model_id: str | None, weights_digest: str
-) -> Namespace:
+) -> EngineLayout:
     from vllm.platforms import current_platform
     from vllm.v1.kv_cache_interface import AttentionSpec
 
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise UnsupportedLayout(f"{len(groups)} KV cache groups (hybrid models are not supported yet)")
-    spec = groups[0].kv_cache_spec
-    if not isinstance(spec, AttentionSpec):
-        raise UnsupportedLayout(f"KV cache spec {type(spec).__name__} is not plain attention")
+    specs = kv_cache_config.kv_cache_groups
+    if not specs:
+        raise UnsupportedLayout("the engine has no KV cache groups")
+    if len(specs) > MAX_GROUP + 1:
+        raise UnsupportedLayout(f"{len(specs)} KV cache groups")
+    if any(not getattr(g, "enable_kv_transfer", True) or getattr(g, "is_eagle_group", False) for g in specs):
+        raise UnsupportedLayout("draft-model (EAGLE/MTP) or non-transferable KV cache groups are not supported yet")
+    groups = tuple(_group_kind(index, group) for index, group in enumerate(specs))
+    block_sizes = {group.block_size for group in groups}
+    if len(block_sizes) != 1:
+        raise UnsupportedLayout(f"KV cache groups of different block sizes ({sorted(block_sizes)})")
     parallel = vllm_config.parallel_config
     if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
         raise UnsupportedLayout("tensor or pipeline parallelism above 1 is not supported yet")
+    # The namespace names the first attention group's layout; a hybrid model adds every group's.
+    attention = next((g for g in specs if isinstance(g.kv_cache_spec, AttentionSpec)), None)
+    if attention is None:
+        raise UnsupportedLayout("a model without attention layers is not supported")
+    spec = attention.kv_cache_spec
     layout = f"{current_platform.device_type}:{type(spec).__name__}:{kv_cache_config.kv_cache_layout or 'default'}"
-    return Namespace(
+    namespace = Namespace(
         model=model_id or vllm_config.model_config.model,
         dtype=str(spec.dtype).removeprefix("torch."),
         kv_layout=layout,
         block_size=spec.block_size,
-        num_layers=len(groups[0].layer_names),
+        num_layers=sum(len(group.layer_names) for group in specs),
         num_kv_heads=spec.num_kv_heads,
         head_size=spec.head_size,
         tp_size=parallel.tensor_parallel_size,
@@ -45,4 +82,15 @@ def engine_namespace(
         cache_group=0,
         weights_digest=weights_digest,
         model_identity=model_identity(vllm_config, weights_digest),
+        cache_groups=_describe_specs(groups, specs),
     )
+    return EngineLayout(namespace, groups, tuple(tuple(group.layer_names) for group in specs))
+
+
+def _describe_specs(groups: tuple[CacheGroup, ...], specs: list[KVCacheGroupSpec]) -> str:
+    """The groups, plus each one's layer count and page size (what a reader's blocks must match)."""
+    described = describe_groups(groups)
+    if not described:
+        return ""
+    pages = ";".join(f"{len(s.layer_names)}x{s.kv_cache_spec.page_size_bytes}" for s in specs)
+    return f"{described}|{pages}"

@@ -25,6 +25,9 @@ from .objects import ObjectHeader, ObjectRejected, verify_object
 from .store import KVStore
 
 
+_KIND_NAMES = {KeyKind.BLOCK: "block", KeyKind.TAIL: "tail", KeyKind.STATE: "state"}
+
+
 @dataclass(frozen=True)
 class LoadFailure:
     cause: str  # a metric label: store_error, missing, timeout, busy, checksum, ...
@@ -86,7 +89,7 @@ class Loader:
         key_of: Callable[[BlockTransfer], str],
         header_of: Callable[[BlockTransfer], ObjectHeader],
         object_bytes: Callable[[], int],
-        write_block: Callable[[int, memoryview], None],
+        write_block: Callable[[BlockTransfer, memoryview], None],
         timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
         calls: BoundedCalls | None = None,
@@ -146,13 +149,14 @@ class Loader:
             del self._in_flight[req_id]
             received.add(req_id)
             if failure is not None:
-                failed[req_id] = (entry.load.transfers[0].token_start, failure)
+                first = min((t.token_start for t in entry.load.transfers), default=0)
+                failed[req_id] = (first, failure)
                 counts[f"load_failures_{failure.cause}"] = counts.get(f"load_failures_{failure.cause}", 0) + 1
         return Finished(frozenset(received), failed), counts
 
     def _apply(self, load: RequestLoad, fetched: Fetched, counts: dict[str, int]) -> None:
         for transfer, payload in zip(load.transfers, fetched.payloads, strict=True):
-            self._write_block(transfer.block_id, payload)
-            kind = "tail_objects_loaded" if transfer.kind is KeyKind.TAIL else "block_objects_loaded"
+            self._write_block(transfer, payload)
+            kind = f"{_KIND_NAMES[transfer.kind]}_objects_loaded"
             for name, amount in (("objects_loaded", 1), (kind, 1), ("bytes_loaded", len(payload))):
                 counts[name] = counts.get(name, 0) + amount

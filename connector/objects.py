@@ -5,9 +5,12 @@ partly filled block plus its count of valid tokens (``token_end - token_start``)
 stored because attention backends pack block interiors differently (the CPU backend tiles them),
 so only whole-block copies are layout-agnostic.
 
-Header (little-endian, 79 bytes):
+A state object (a Mamba group's state after ``token_end`` tokens) is the group's block that holds it,
+with ``token_start`` 0.
+
+Header (little-endian, 80 bytes, format 2):
     magic "KVT0" | format u16 | header size u16 | namespace fingerprint 16B | chain hash 16B |
-    kind u8 | dtype 16B ascii | layers u16 | token_start u32 | token_end u32 |
+    kind u8 | group u8 | dtype 16B ascii | layers u16 | token_start u32 | token_end u32 |
     payload length u64 | payload crc32 u32
 
 Every load checks every field against what the reader expects; any mismatch rejects the object.
@@ -22,10 +25,10 @@ from dataclasses import dataclass
 from .keys import KeyKind
 
 MAGIC = b"KVT0"
-FORMAT_VERSION = 1
-_HEADER = struct.Struct("<4sHH16s16sB16sHIIQI")
+FORMAT_VERSION = 2
+_HEADER = struct.Struct("<4sHH16s16sBB16sHIIQI")
 HEADER_SIZE = _HEADER.size
-_KIND_CODES = {KeyKind.BLOCK: 0, KeyKind.TAIL: 1}
+_KIND_CODES = {KeyKind.BLOCK: 0, KeyKind.TAIL: 1, KeyKind.STATE: 2}
 
 
 class ObjectRejected(Exception):
@@ -47,6 +50,7 @@ class ObjectHeader:
     token_end: int
     payload_len: int
     payload_crc: int = 0
+    group: int = 0  # the KV cache group whose layers the payload holds
 
     @property
     def valid_tokens(self) -> int:
@@ -64,6 +68,7 @@ def encode_header(header: ObjectHeader) -> bytes:
         header.namespace_fingerprint,
         header.chain_hash,
         _KIND_CODES[header.kind],
+        header.group,
         dtype,
         header.num_layers,
         header.token_start,
@@ -85,6 +90,7 @@ def encode_object(header: ObjectHeader, payload: bytes | memoryview) -> bytes:
         token_end=header.token_end,
         payload_len=len(payload),
         payload_crc=zlib.crc32(payload),
+        group=header.group,
     )
     return encode_header(filled) + bytes(payload)
 
@@ -92,8 +98,8 @@ def encode_object(header: ObjectHeader, payload: bytes | memoryview) -> bytes:
 def decode_header(data: bytes | memoryview) -> ObjectHeader:
     if len(data) < HEADER_SIZE:
         raise ObjectRejected("truncated", f"{len(data)} bytes is shorter than the {HEADER_SIZE}-byte header")
-    (magic, version, header_size, ns, chain, kind_code, dtype, layers, start, end, plen, crc) = _HEADER.unpack_from(
-        data
+    (magic, version, header_size, ns, chain, kind_code, group, dtype, layers, start, end, plen, crc) = (
+        _HEADER.unpack_from(data)
     )
     if magic != MAGIC:
         raise ObjectRejected("foreign", "not a kvtool object (bad magic)")
@@ -112,6 +118,7 @@ def decode_header(data: bytes | memoryview) -> ObjectHeader:
         token_end=end,
         payload_len=plen,
         payload_crc=crc,
+        group=group,
     )
 
 
@@ -128,6 +135,7 @@ def verify_object(data: bytes | memoryview, expected: ObjectHeader) -> memoryvie
         raise ObjectRejected("hash", "object's chain hash differs from its key's")
     checks = (
         ("kind", header.kind, expected.kind),
+        ("group", header.group, expected.group),
         ("dtype", header.dtype, expected.dtype),
         ("layers", header.num_layers, expected.num_layers),
         ("token_start", header.token_start, expected.token_start),

@@ -1,6 +1,8 @@
 """Finding the longest stored prefix of a prompt, and turning it into a load plan. Pure logic.
 
 The store is consulted through an ``exists`` callable, so the rules here are tested without one.
+A model has one or more KV cache groups (``connector.groups``); a prefix is stored when every group
+holds what it needs for it, and a load reads each group's objects into that group's blocks.
 """
 
 from __future__ import annotations
@@ -8,15 +10,34 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from .groups import CacheGroup, GroupKind
 from .hashing import block_hashes, save_tail_boundary, tail_boundaries, tail_hash
-from .keys import KeyKind, block_key, tail_key
+from .keys import KeyKind, object_key
 
 ExistsFn = Callable[[list[str]], list[bool]]
 
 
+def single_group(block_size: int) -> tuple[CacheGroup, ...]:
+    """The layout of a plain model: one full-attention group."""
+    return (CacheGroup(0, GroupKind.FULL, block_size),)
+
+
+@dataclass(frozen=True)
+class ObjectRef:
+    """One stored object of one group, and the request block (index within the group) it fills."""
+
+    key: str
+    group: int
+    kind: KeyKind
+    block_index: int
+    token_start: int
+    token_end: int  # end of the object's valid tokens (block end, tail boundary, or the state's position)
+    chain_hash: bytes
+
+
 @dataclass(frozen=True)
 class PromptKeys:
-    """The keys of one prompt: one per full block, and the tail keys computed on demand."""
+    """The keys of one prompt, for every cache group: blocks, tails and states, computed on demand."""
 
     tokens: tuple[int, ...]
     block_size: int
@@ -24,49 +45,143 @@ class PromptKeys:
     namespace: str
     root: bytes
     block_chain: tuple[bytes, ...]
+    groups: tuple[CacheGroup, ...]
 
     @classmethod
-    def build(cls, tokens: Sequence[int], block_size: int, hash_unit: int, namespace: str, root: bytes):
+    def build(
+        cls,
+        tokens: Sequence[int],
+        block_size: int,
+        hash_unit: int,
+        namespace: str,
+        root: bytes,
+        groups: tuple[CacheGroup, ...] | None = None,
+    ) -> PromptKeys:
+        groups = groups or single_group(block_size)
+        if any(group.block_size != block_size for group in groups):
+            raise ValueError("every cache group must use the prompt's block size")
         tokens = tuple(tokens)
-        return cls(tokens, block_size, hash_unit, namespace, root, tuple(block_hashes(tokens, block_size, root)))
+        chain = tuple(block_hashes(tokens, block_size, root))
+        return cls(tokens, block_size, hash_unit, namespace, root, chain, groups)
 
     @property
     def num_full_blocks(self) -> int:
         return len(self.block_chain)
 
-    def block_key(self, index: int) -> str:
-        return block_key(self.namespace, (index + 1) * self.block_size, self.block_chain[index])
-
     def parent_of_block(self, index: int) -> bytes:
         return self.root if index == 0 else self.block_chain[index - 1]
 
-    def tail_hash(self, boundary: int) -> bytes:
-        block_index = boundary // self.block_size
-        return tail_hash(self.tokens, boundary, self.block_size, self.parent_of_block(block_index))
+    def chain_hash(self, end: int) -> bytes:
+        """The chain value after ``end`` tokens: a block's when ``end`` is block-aligned, else a tail's."""
+        if end % self.block_size == 0:
+            return self.block_chain[end // self.block_size - 1]
+        return tail_hash(self.tokens, end, self.block_size, self.parent_of_block(end // self.block_size))
 
-    def tail_key(self, boundary: int) -> str:
-        return tail_key(self.namespace, boundary, self.tail_hash(boundary))
+    def tail_hash(self, boundary: int) -> bytes:
+        return tail_hash(self.tokens, boundary, self.block_size, self.parent_of_block(boundary // self.block_size))
+
+    def block_ref(self, index: int, group: int = 0) -> ObjectRef:
+        start, end = index * self.block_size, (index + 1) * self.block_size
+        digest = self.block_chain[index]
+        return ObjectRef(object_key(self.namespace, group, KeyKind.BLOCK, end, digest), group, KeyKind.BLOCK, index,
+                         start, end, digest)  # fmt: skip
+
+    def tail_ref(self, boundary: int, group: int = 0) -> ObjectRef:
+        index = boundary // self.block_size
+        digest = self.tail_hash(boundary)
+        return ObjectRef(object_key(self.namespace, group, KeyKind.TAIL, boundary, digest), group, KeyKind.TAIL, index,
+                         index * self.block_size, boundary, digest)  # fmt: skip
+
+    def state_ref(self, end: int, group: int) -> ObjectRef:
+        """The state after ``end`` tokens: it lives in the block holding token ``end - 1``."""
+        digest = self.chain_hash(end)
+        return ObjectRef(object_key(self.namespace, group, KeyKind.STATE, end, digest), group, KeyKind.STATE,
+                         (end - 1) // self.block_size, 0, end, digest)  # fmt: skip
+
+    def block_key(self, index: int, group: int = 0) -> str:
+        return self.block_ref(index, group).key
+
+    def tail_key(self, boundary: int, group: int = 0) -> str:
+        return self.tail_ref(boundary, group).key
 
     def tail_candidates(self, block_index: int) -> list[int]:
         return tail_boundaries(block_index, self.block_size, self.hash_unit, len(self.tokens))
 
+    # -- what a group needs ---------------------------------------------------------------------------
+
+    def probe_refs(self, ends: Sequence[int], blocks: bool) -> list[ObjectRef]:
+        """The objects a lookup asks about, in every group: the full blocks (when ``blocks``) and, at
+        each candidate end, a tail (attention groups) or a state (state groups; also one token short
+        of the prompt, the most a hit on the prompt itself can claim)."""
+        refs: list[ObjectRef] = []
+        for group in self.groups:
+            if group.kind is GroupKind.STATE:
+                states = set(ends) | ({len(self.tokens) - 1} if blocks and len(self.tokens) > 1 else set())
+                refs += [self.state_ref(end, group.index) for end in sorted(states)]
+                continue
+            if blocks:
+                refs += [self.block_ref(i, group.index) for i in range(self.num_full_blocks)]
+            refs += [self.tail_ref(end, group.index) for end in ends if end % self.block_size]
+        return refs
+
+    def _last_object(self, group: CacheGroup, hit: int, present: frozenset[str]) -> ObjectRef | None:
+        """A stored object that holds the KV of token ``hit - 1`` for an attention group: the full
+        block, or the shortest stored tail of that block that reaches ``hit``."""
+        index = (hit - 1) // self.block_size
+        if index < self.num_full_blocks:
+            block = self.block_ref(index, group.index)
+            if block.key in present:
+                return block
+        for boundary in self.tail_candidates(index):
+            if boundary >= hit:
+                tail = self.tail_ref(boundary, group.index)
+                if tail.key in present:
+                    return tail
+        return None
+
+    def objects_for(
+        self, group: CacheGroup, hit: int, present: frozenset[str], from_block: int = 0
+    ) -> list[ObjectRef] | None:
+        """What ``group`` loads for a hit of ``hit`` tokens, blocks below ``from_block`` excluded
+        (the engine's own cached ones); None when something it needs is not stored."""
+        if group.kind is GroupKind.STATE:
+            state = self.state_ref(hit, group.index)
+            return [state] if state.key in present else None
+        last = (hit - 1) // self.block_size
+        refs = [self.block_ref(i, group.index) for i in range(max(from_block, group.first_needed_block(hit)), last)]
+        if any(ref.key not in present for ref in refs):
+            return None
+        if last < from_block:
+            return refs
+        final = self._last_object(group, hit, present)
+        return None if final is None else refs + [final]
+
+    def serves(self, hit: int, present: frozenset[str]) -> bool:
+        """Whether every group holds what a hit of ``hit`` tokens needs."""
+        return hit > 0 and all(self.objects_for(group, hit, present) is not None for group in self.groups)
+
 
 @dataclass(frozen=True)
 class StoredPrefix:
-    """The longest prefix of a prompt whose KV is in the store."""
+    """The longest prefix of a prompt whose KV is in the store, for every group."""
 
     block_size: int
-    full_blocks: int  # leading full blocks stored
-    tail_boundary: int | None  # end of the longest stored tail in the block after them
+    tokens: int  # the longest stored prefix, the whole prompt included
+    hit_tokens: int  # the longest stored prefix a load can claim: at least one prompt token is computed
+    present: frozenset[str] = frozenset()  # every key the lookup found stored
     queries: int = 1  # existence round trips it took
 
     @property
-    def block_tokens(self) -> int:
-        return self.block_size * self.full_blocks
+    def full_blocks(self) -> int:
+        return self.tokens // self.block_size
 
     @property
-    def tokens(self) -> int:
-        return self.tail_boundary if self.tail_boundary is not None else self.block_tokens
+    def tail_boundary(self) -> int | None:
+        return self.tokens if self.tokens % self.block_size else None
+
+    @property
+    def block_tokens(self) -> int:
+        return self.full_blocks * self.block_size
 
 
 def find_stored_prefix(keys: PromptKeys, exists: ExistsFn) -> StoredPrefix:
@@ -74,67 +189,65 @@ def find_stored_prefix(keys: PromptKeys, exists: ExistsFn) -> StoredPrefix:
     return find_stored_prefixes([keys], exists)[0]
 
 
+def _ask(exists: ExistsFn, refs_per_prompt: list[list[ObjectRef]]) -> list[frozenset[str]]:
+    """One existence query for every prompt's refs; the keys found, per prompt."""
+    query = sorted({ref.key for refs in refs_per_prompt for ref in refs})
+    if not query:
+        return [frozenset() for _ in refs_per_prompt]
+    found = {key for key, present in zip(query, exists(query), strict=True) if present}
+    return [frozenset(ref.key for ref in refs if ref.key in found) for refs in refs_per_prompt]
+
+
+def _first_round_ends(keys: PromptKeys) -> list[int]:
+    """Candidate ends asked about first: every block boundary and the tail boundaries of the
+    prompt's last block."""
+    ends = {(i + 1) * keys.block_size for i in range(keys.num_full_blocks)}
+    ends.update(keys.tail_candidates(len(keys.tokens) // keys.block_size))
+    return sorted(ends)
+
+
+def _best(keys: PromptKeys, ends: Sequence[int], present: frozenset[str], limit: int) -> int:
+    return max((end for end in ends if end <= limit and keys.serves(end, present)), default=0)
+
+
 def find_stored_prefixes(prompts: Sequence[PromptKeys], exists: ExistsFn) -> list[StoredPrefix]:
     """Longest stored prefix of each prompt, at hash-unit granularity, in at most two queries in all.
 
-    The first query asks, for every prompt, for every full-block key plus the tail candidates of the
-    prompt's last block, which answers the common cases (a repeated prompt; every full block stored)
-    in one round trip. Where a prompt's stored blocks stop earlier, at block k, a second query (one
-    for all such prompts) asks for the tail candidates inside block k: that is where a stored shorter
-    prompt (a sub-block prompt, the previous chat turn) ends.
+    The first query asks, for every prompt and group, for every full-block key, the tail (or state)
+    candidates of the prompt's last block, and the state one token short of the prompt, which
+    answers the common cases (a repeated prompt; every block stored) in one round trip. Where the
+    stored block boundaries stop earlier, at block k, a second query (one for all such prompts) asks
+    for the candidates inside block k: that is where a stored shorter prompt (a sub-block prompt,
+    the previous chat turn) ends.
     """
-    first: list[tuple[list[str], list[int]]] = []
-    query: list[str] = []
-    for keys in prompts:
-        block_keys = [keys.block_key(i) for i in range(keys.num_full_blocks)]
-        last_tails = keys.tail_candidates(len(keys.tokens) // keys.block_size)
-        first.append((block_keys, last_tails))
-        query += block_keys + [keys.tail_key(b) for b in last_tails]
-    answers = exists(query) if query else []
+    first_ends = [_first_round_ends(keys) for keys in prompts]
+    present = _ask(exists, [keys.probe_refs(ends, blocks=True) for keys, ends in zip(prompts, first_ends, strict=True)])
 
-    results: list[StoredPrefix | None] = []
-    second: list[tuple[int, int, list[int]]] = []  # (prompt index, full blocks, inner tail candidates)
-    second_query: list[str] = []
-    offset = 0
-    for index, (keys, (block_keys, last_tails)) in enumerate(zip(prompts, first, strict=True)):
-        mine = answers[offset : offset + len(block_keys) + len(last_tails)]
-        offset += len(mine)
-        full_blocks = 0
-        while full_blocks < len(block_keys) and mine[full_blocks]:
-            full_blocks += 1
-        if full_blocks == keys.num_full_blocks:
-            tail = _longest(last_tails, mine[len(block_keys) :])
-            results.append(StoredPrefix(keys.block_size, full_blocks, tail, queries=1))
-            continue
-        inner = keys.tail_candidates(full_blocks)
-        results.append(None)
-        second.append((index, full_blocks, inner))
-        second_query += [keys.tail_key(b) for b in inner]
+    inner_ends: list[list[int]] = []
+    for keys, ends, found in zip(prompts, first_ends, present, strict=True):
+        length = len(keys.tokens)
+        aligned = [end for end in ends if end % keys.block_size == 0]
+        block = _best(keys, aligned, found, length) // keys.block_size  # where the stored boundaries stop
+        inner_ends.append([] if block == length // keys.block_size else keys.tail_candidates(block))
+    second_refs = [keys.probe_refs(ends, blocks=False) for keys, ends in zip(prompts, inner_ends, strict=True)]
+    asked_twice = any(second_refs)
+    more = _ask(exists, second_refs) if asked_twice else [frozenset() for _ in prompts]
 
-    inner_answers = exists(second_query) if second_query else []
-    offset = 0
-    for index, full_blocks, inner in second:
-        mine = inner_answers[offset : offset + len(inner)]
-        offset += len(inner)
-        results[index] = StoredPrefix(prompts[index].block_size, full_blocks, _longest(inner, mine), queries=2)
-    return [r for r in results if r is not None]
-
-
-def _longest(boundaries: list[int], answers: Sequence[bool]) -> int | None:
-    found = [b for b, present in zip(boundaries, answers, strict=True) if present]
-    return max(found) if found else None
-
-
-@dataclass(frozen=True)
-class ObjectLoad:
-    """One stored object to copy into one of the request's blocks."""
-
-    key: str
-    kind: KeyKind
-    block_index: int  # index of the block within the request
-    token_start: int
-    token_end: int  # end of the object's valid tokens (block end, or tail boundary)
-    chain_hash: bytes
+    results = []
+    for keys, ends, inner, found, found_inner in zip(prompts, first_ends, inner_ends, present, more, strict=True):
+        known = found | found_inner
+        length = len(keys.tokens)
+        candidates = [*ends, *inner, *([length - 1] if length > 1 else [])]
+        results.append(
+            StoredPrefix(
+                keys.block_size,
+                tokens=_best(keys, [*candidates, length], known, length),
+                hit_tokens=_best(keys, candidates, known, length - 1),
+                present=known,
+                queries=2 if inner else 1,
+            )
+        )
+    return results
 
 
 @dataclass(frozen=True)
@@ -145,64 +258,56 @@ class LoadPlan:
     external_tokens: int
     block_tokens: int  # of external_tokens, those that come from full-block objects
     tail_tokens: int  # of external_tokens, those that come from a tail object
-    objects: tuple[ObjectLoad, ...]
+    objects: tuple[ObjectRef, ...]
 
 
 def plan_load(keys: PromptKeys, stored: StoredPrefix, local_tokens: int) -> LoadPlan:
-    """The hit vLLM can take: capped one token short of the prompt, and never below what vLLM holds.
+    """The hit vLLM can take: at most ``stored.hit_tokens``, and never below what vLLM holds.
 
     ``local_tokens`` is vLLM's own (block-aligned) prefix-cache hit; those tokens are never claimed.
     """
-    block_size = keys.block_size
-    usable = min(stored.tokens, len(keys.tokens) - 1)
-    if usable <= local_tokens:
+    hit = stored.hit_tokens
+    if hit <= local_tokens:
         return LoadPlan(local_tokens, 0, 0, 0, ())
-    block_end = stored.full_blocks * block_size
-    objects: list[ObjectLoad] = []
-    first_block = local_tokens // block_size
-    last_block = (usable - 1) // block_size
-    for index in range(first_block, last_block + 1):
-        start = index * block_size
-        if index < stored.full_blocks:
-            objects.append(
-                ObjectLoad(
-                    keys.block_key(index), KeyKind.BLOCK, index, start, start + block_size, keys.block_chain[index]
-                )
-            )
-        else:
-            boundary = stored.tail_boundary
-            assert boundary is not None and boundary // block_size == index
-            objects.append(
-                ObjectLoad(keys.tail_key(boundary), KeyKind.TAIL, index, start, boundary, keys.tail_hash(boundary))
-            )
-    block_tokens = max(0, min(usable, block_end) - local_tokens)
-    external = usable - local_tokens
+    from_block = local_tokens // keys.block_size
+    objects: list[ObjectRef] = []
+    for group in keys.groups:
+        refs = keys.objects_for(group, hit, stored.present, from_block)
+        if refs is None:  # the lookup found it stored; only a caller's own present set can miss it
+            return LoadPlan(local_tokens, 0, 0, 0, ())
+        objects += refs
+    objects.sort(key=lambda ref: (ref.block_index, ref.group))
+    # Reported by the first attention group: tokens served by full blocks, and by the tail.
+    attention = [ref for ref in objects if ref.kind is not KeyKind.STATE and ref.group == _primary(keys)]
+    block_end = max((ref.token_end for ref in attention if ref.kind is KeyKind.BLOCK), default=local_tokens)
+    block_tokens = max(0, min(hit, block_end) - local_tokens)
+    external = hit - local_tokens
     return LoadPlan(local_tokens, external, block_tokens, external - block_tokens, tuple(objects))
 
 
-@dataclass(frozen=True)
-class ObjectSave:
-    key: str
-    kind: KeyKind
-    block_index: int
-    token_start: int
-    token_end: int
-    chain_hash: bytes
+def _primary(keys: PromptKeys) -> int:
+    """The group whose objects name the hit's full blocks and tail: the first full-attention group."""
+    return next((g.index for g in keys.groups if g.kind is GroupKind.FULL), keys.groups[0].index)
 
 
-def plan_save(keys: PromptKeys) -> list[ObjectSave]:
-    """Objects a producer publishes for its prompt: every full block, then the prompt's tail."""
-    block_size = keys.block_size
-    saves = [
-        ObjectSave(keys.block_key(i), KeyKind.BLOCK, i, i * block_size, (i + 1) * block_size, keys.block_chain[i])
-        for i in range(keys.num_full_blocks)
-    ]
-    boundary = save_tail_boundary(len(keys.tokens), block_size, keys.hash_unit)
-    if boundary is not None:
-        index = boundary // block_size
-        saves.append(
-            ObjectSave(
-                keys.tail_key(boundary), KeyKind.TAIL, index, index * block_size, boundary, keys.tail_hash(boundary)
-            )
-        )
-    return saves
+def plan_save(keys: PromptKeys) -> list[ObjectRef]:
+    """Objects a producer publishes for its prompt, in put order: every group's full blocks by position,
+    then every group's tail, then every state group's state after the whole prompt."""
+    length = len(keys.tokens)
+    boundary = save_tail_boundary(length, keys.block_size, keys.hash_unit)
+    blocks, tails, states = [], [], []
+    for group in keys.groups:
+        if group.kind is GroupKind.STATE:
+            if length:
+                states.append(keys.state_ref(length, group.index))
+            continue
+        blocks += [keys.block_ref(i, group.index) for i in range(keys.num_full_blocks)]
+        if boundary is not None:
+            tails.append(keys.tail_ref(boundary, group.index))
+    blocks.sort(key=lambda ref: (ref.block_index, ref.group))
+    return blocks + tails + states
+
+
+# Names kept for readers of older code: a load's and a save's objects are the same kind of reference.
+ObjectLoad = ObjectRef
+ObjectSave = ObjectRef

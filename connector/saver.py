@@ -49,16 +49,18 @@ class SaveJob:
         self.save = save
         self.copies = copies
         self.watermark_key = watermark_key
-        self.objects = [ObjectProgress(o.kind, o.token_start, o.token_end, "present") for o in save.already_stored]
+        self.objects = [
+            ObjectProgress(o.kind, o.token_start, o.token_end, "present", o.group) for o in save.already_stored
+        ]
         self._index: list[int] = []
         copied = {c.transfer_number for c in copies}
         for number, transfer in enumerate(save.transfers):
             self._index.append(len(self.objects))
             outcome = "pending" if number in copied else DROPPED_BUDGET
-            self.objects.append(ObjectProgress(transfer.kind, transfer.token_start, transfer.token_end, outcome))
-        order = sorted(
-            range(len(self.objects)), key=lambda i: (self.objects[i].kind is KeyKind.TAIL, self.objects[i].token_start)
-        )
+            self.objects.append(
+                ObjectProgress(transfer.kind, transfer.token_start, transfer.token_end, outcome, transfer.group)
+            )
+        order = sorted(range(len(self.objects)), key=lambda i: _put_order(self.objects[i]))
         position = {old: new for new, old in enumerate(order)}
         self.objects = [self.objects[i] for i in order]
         self._index = [position[i] for i in self._index]
@@ -98,11 +100,16 @@ class Saver:
 
     # -- admission (engine thread) ------------------------------------------------------------------
 
-    def admit(self, num_objects: int, object_bytes: int) -> int:
-        """How many leading objects of a save fit the budget now; reserves their bytes."""
+    def admit(self, object_sizes: list[int]) -> int:
+        """How many leading objects of a save (of these sizes, in put order) fit the budget now;
+        reserves their bytes."""
+        num_objects = len(object_sizes)
         with self._lock:
-            fits = min(num_objects, max(0, self._budget - self._held) // object_bytes)
-            self._held += fits * object_bytes
+            room, fits = self._budget - self._held, 0
+            while fits < num_objects and object_sizes[fits] <= room:
+                room -= object_sizes[fits]
+                fits += 1
+            self._held += sum(object_sizes[:fits])
         if fits < num_objects:
             self._count("save_objects_dropped_budget", num_objects - fits)
             if fits == 0:
@@ -214,3 +221,8 @@ class Saver:
                 dropped,
                 left,
             )
+
+
+def _put_order(obj: ObjectProgress) -> tuple[bool, int, int]:
+    """Blocks by position (every group's block k before block k + 1), then tails, then states."""
+    return (obj.kind is not KeyKind.BLOCK, obj.token_end, obj.group)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from .config import KVToolConfig
 from .data import BlockTransfer, KVToolMetadata, RequestLoad, RequestSave, StoredObject
+from .groups import NULL_BLOCK_ID, CacheGroup
 from .hashing import RequestIdentity
 from .hits import HitDetails
 from .identity import UnhashableRequest, request_identity
@@ -17,7 +18,7 @@ from .keys import KeyKind, Namespace, watermark_key
 from .watermarks import SEQ_FINAL
 from .calls import BoundedCalls
 from .lookups import LookupBatcher
-from .prefix import LoadPlan, ObjectSave, PromptKeys, StoredPrefix, plan_load, plan_save
+from .prefix import LoadPlan, ObjectRef, PromptKeys, StoredPrefix, plan_load, plan_save, single_group
 from .store import KVStore, StoreError
 
 if TYPE_CHECKING:
@@ -56,7 +57,7 @@ class _Tracked:
 
     request: Request
     keys: PromptKeys
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group
     plan: LoadPlan | None = None
     stored: StoredPrefix | None = None  # what the last lookup found stored
     offered: bool = False  # a lookup answered vLLM and its allocation is still to come
@@ -82,10 +83,12 @@ class SchedulerSide:
         loads_enabled: bool,
         saves_enabled: bool,
         lookup_calls: BoundedCalls | None = None,
+        groups: tuple[CacheGroup, ...] | None = None,
     ):
         self._config = config
         self._namespace = namespace.key_component()
         self._block_size = namespace.block_size
+        self._groups = groups or single_group(namespace.block_size)
         self._store = store
         self._loads_enabled = loads_enabled and store is not None
         self._saves_enabled = saves_enabled and store is not None
@@ -112,7 +115,12 @@ class SchedulerSide:
                 self.stats["requests_unhashable"] += 1
                 self._warn_once("unhashable", f"kvtool: a request is neither looked up nor stored: {exc}")
             keys = PromptKeys.build(
-                request.prompt_token_ids or [], self._block_size, self._config.hash_unit, self._namespace, root
+                request.prompt_token_ids or [],
+                self._block_size,
+                self._config.hash_unit,
+                self._namespace,
+                root,
+                self._groups,
             )
             tracked = _Tracked(request=request, keys=keys, unhashable=unhashable)
             if unhashable:
@@ -157,7 +165,7 @@ class SchedulerSide:
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         tracked = self._track(request)
-        block_ids = list(blocks.get_block_ids()[0])
+        block_ids = [list(ids) for ids in blocks.get_block_ids()]
         tracked.block_ids = block_ids
         if not tracked.offered:
             # vLLM calls this again when a request whose load ended is scheduled: nothing new to load.
@@ -169,15 +177,26 @@ class SchedulerSide:
             if plan is not None and plan.external_tokens:
                 tracked.lookup = "hit not taken by the scheduler"
             return
-        # The scheduler takes the whole hit or none of it; objects cover whole blocks, so a shorter
-        # grant (never seen with one cache group) would still load correct bytes for what it claims.
+        # The scheduler takes the whole hit or none of it (vLLM 0.32). Attention objects cover whole
+        # blocks, so a shorter grant would still load correct bytes for what it claims; a state holds
+        # for exactly the planned boundary, so with a state group any other grant fails the load.
         end_block = (plan.local_tokens + num_external_tokens - 1) // self._block_size
-        transfers = tuple(
-            BlockTransfer(block_ids[obj.block_index], obj.kind, obj.token_start, obj.token_end, obj.chain_hash)
-            for obj in plan.objects
-            if obj.block_index <= end_block
-        )
-        self._pending_loads.append(RequestLoad(request.request_id, transfers))
+        if num_external_tokens != plan.external_tokens and any(o.kind is KeyKind.STATE for o in plan.objects):
+            self._warn_once("grant", "kvtool: the scheduler granted part of a hit on a state group; recomputing")
+            self._pending_loads.append(RequestLoad(request.request_id, (), failure="partial grant of a state hit"))
+            return
+        transfers = []
+        for obj in plan.objects:
+            if obj.block_index > end_block:
+                continue
+            ids = block_ids[obj.group] if obj.group < len(block_ids) else []
+            block_id = ids[obj.block_index] if obj.block_index < len(ids) else NULL_BLOCK_ID
+            if block_id == NULL_BLOCK_ID:
+                continue  # a block the group does not keep (outside a sliding window): nothing to fill
+            transfers.append(
+                BlockTransfer(block_id, obj.kind, obj.token_start, obj.token_end, obj.chain_hash, obj.group)
+            )
+        self._pending_loads.append(RequestLoad(request.request_id, tuple(transfers)))
 
     # -- metadata -----------------------------------------------------------------------------------
 
@@ -192,7 +211,7 @@ class SchedulerSide:
             tracked = self._tracked.get(new_req.req_id)
             if tracked is None:
                 continue
-            tracked.block_ids = list(new_req.block_ids[0])
+            tracked.block_ids = [list(ids) for ids in new_req.block_ids]
             self._maybe_save(meta, tracked, new_req.num_computed_tokens, scheduler_output)
         cached = scheduler_output.scheduled_cached_reqs
         for index, req_id in enumerate(cached.req_ids):
@@ -201,9 +220,12 @@ class SchedulerSide:
                 continue
             new_block_ids = cached.new_block_ids[index]
             if req_id in cached.resumed_req_ids:
-                tracked.block_ids = list(new_block_ids[0]) if new_block_ids is not None else []
+                tracked.block_ids = [list(ids) for ids in new_block_ids] if new_block_ids is not None else []
             elif new_block_ids is not None:
-                tracked.block_ids.extend(new_block_ids[0])
+                for group, ids in enumerate(new_block_ids):
+                    while len(tracked.block_ids) <= group:
+                        tracked.block_ids.append([])
+                    tracked.block_ids[group].extend(ids)
             self._maybe_save(meta, tracked, cached.num_computed_tokens[index], scheduler_output)
         return meta
 
@@ -222,9 +244,12 @@ class SchedulerSide:
         planned = plan_save(tracked.keys)
         present = self._known_present(tracked, planned)
         missing = [s for s, found in zip(planned, present, strict=True) if not found]
-        usable = [s for s in missing if s.block_index < len(tracked.block_ids)]
+        sources = [self._source_block(tracked, s, num_computed) for s in missing]
+        usable = [(s, block_id) for s, block_id in zip(missing, sources, strict=True) if block_id is not None]
         if len(usable) != len(missing):
-            self._warn_once("blocks", "kvtool: a request had fewer blocks than its prompt; saved what it had")
+            # A sliding-window group gave up the blocks its window left (an earlier chunk's): a lookup
+            # that needs them will not find them, which is a miss, never a wrong block.
+            self.stats["save_objects_not_held"] += len(missing) - len(usable)
         if not usable:
             return
         params = getattr(tracked.request, "kv_transfer_params", None) or {}
@@ -232,11 +257,11 @@ class SchedulerSide:
             RequestSave(
                 req_id,
                 tuple(
-                    BlockTransfer(tracked.block_ids[s.block_index], s.kind, s.token_start, s.token_end, s.chain_hash)
-                    for s in usable
+                    BlockTransfer(block_id, s.kind, s.token_start, s.token_end, s.chain_hash, s.group)
+                    for s, block_id in usable
                 ),
                 already_stored=tuple(
-                    StoredObject(s.kind, s.token_start, s.token_end)
+                    StoredObject(s.kind, s.token_start, s.token_end, s.group)
                     for s, found in zip(planned, present, strict=True)
                     if found
                 ),
@@ -247,11 +272,20 @@ class SchedulerSide:
             )
         )
         tracked.save_objects = len(usable)
-        tracked.last_saved_key = usable[-1].key
-        tails = [s.token_end for s in usable if s.kind is KeyKind.TAIL]
+        tracked.last_saved_key = usable[-1][0].key
+        tails = [s.token_end for s, _ in usable if s.kind is KeyKind.TAIL]
         tracked.tail_boundary_saved = tails[0] if tails else None
 
-    def _known_present(self, tracked: _Tracked, saves: list[ObjectSave]) -> list[bool]:
+    def _source_block(self, tracked: _Tracked, save: ObjectRef, computed_before_step: int) -> int | None:
+        """The block a save object is copied from, or None when the request no longer holds it."""
+        ids = tracked.block_ids[save.group] if save.group < len(tracked.block_ids) else []
+        if save.block_index >= len(ids) or ids[save.block_index] == NULL_BLOCK_ID:
+            return None
+        if save.block_index < self._groups[save.group].live_from_block(computed_before_step):
+            return None  # freed when this step began: its id may already hold another request's KV
+        return ids[save.block_index]
+
+    def _known_present(self, tracked: _Tracked, saves: list[ObjectRef]) -> list[bool]:
         """Which of the prompt's objects a lookup already found stored (no copy needed for those).
 
         Nothing is taken as present after a failed load (the object may be gone); the worker asks
@@ -262,13 +296,7 @@ class SchedulerSide:
             stored = outcome if isinstance(outcome, StoredPrefix) else None
         if stored is None or tracked.load_failure is not None:
             return [False] * len(saves)
-        keys = tracked.keys
-        return [
-            s.block_index < stored.full_blocks
-            if s.kind is KeyKind.BLOCK
-            else stored.full_blocks == keys.num_full_blocks and stored.tail_boundary == s.token_end
-            for s in saves
-        ]
+        return [s.key in stored.present for s in saves]
 
     def record_load_failures(self, worker_meta: object) -> None:
         for req_id, failure in getattr(worker_meta, "load_failures", {}).items():

@@ -1,10 +1,12 @@
 """Watermarks: how far a producer's save of one request is confirmed in the store. Pure logic.
 
-The block offset is the end of the longest run of full blocks, from token 0, each of which was
-already stored or whose put succeeded. The tail is tracked apart: it is durable only when its own put
-succeeded (or it was already stored) *and* every full block before it is durable. The durable offset
-is the tail boundary when the tail is durable and the block offset otherwise, so a failed tail put
-stays a miss and never moves it. A watermark never runs ahead of loadable data.
+Per cache group, the block offset is the end of the longest run of full blocks, from the group's
+first saved block (token 0, or for a sliding-window group the first block it still held), each of
+which was already stored or whose put succeeded. The tail is tracked apart: it is durable only when
+its own put succeeded (or it was already stored) *and* every full block before it is durable. A
+group's offset is its tail boundary when the tail is durable and its block offset otherwise (a state
+group's: the end of its durable state). The durable offset is the smallest over the groups, so a
+failed tail put stays a miss and never moves it. A watermark never runs ahead of loadable data.
 
 Records are published as immutable objects (seq 0 when the save starts, seq 1 when it ends), small
 UTF-8 JSON documents that ``kvtool inspect watermarks`` reads.
@@ -36,6 +38,7 @@ class ObjectProgress:
     token_start: int
     token_end: int
     outcome: str  # "present" (stored before), "stored", "pending", or a failure label ("no_space", "failed", ...)
+    group: int = 0
 
     @property
     def durable(self) -> bool:
@@ -81,16 +84,13 @@ def watermark(
     last_block_key: str | None = None,
     tail_key: str | None = None,
 ) -> WatermarkRecord:
-    """The watermark of a save whose objects (full blocks in order, then at most one tail) stand as given."""
-    block_offset = 0
-    for obj in objects:
-        if obj.kind is not KeyKind.BLOCK or not obj.durable or obj.token_start != block_offset:
-            break
-        block_offset = obj.token_end
+    """The watermark of a save whose objects (per group: full blocks in order, then at most one tail,
+    or a state) stand as given."""
+    groups = sorted({obj.group for obj in objects})
+    durable_offset = min((_group_offset([o for o in objects if o.group == g]) for g in groups), default=0)
     tails = [obj for obj in objects if obj.kind is KeyKind.TAIL]
     tail = tails[0] if tails else None
-    tail_durable = tail is not None and tail.durable and tail.token_start == block_offset
-    durable_offset = tail.token_end if tail is not None and tail_durable else block_offset
+    tail_durable = tail is not None and durable_offset == tail.token_end
     failures = [obj for obj in objects if not obj.durable and obj.outcome != "pending"]
     if any(obj.outcome == "pending" for obj in objects):
         state, reason = SaveState.PENDING, None
@@ -113,3 +113,20 @@ def watermark(
         last_block_key=last_block_key,
         tail_key=tail_key,
     )
+
+
+def _group_offset(objects: list[ObjectProgress]) -> int:
+    """How far one group's objects are durable (see the module's docstring)."""
+    states = [obj.token_end for obj in objects if obj.kind is KeyKind.STATE and obj.durable]
+    if any(obj.kind is KeyKind.STATE for obj in objects):
+        return max(states, default=0)
+    blocks = sorted((obj for obj in objects if obj.kind is KeyKind.BLOCK), key=lambda obj: obj.token_start)
+    tail = next((obj for obj in objects if obj.kind is KeyKind.TAIL), None)
+    offset = blocks[0].token_start if blocks else (tail.token_start if tail is not None else 0)
+    for obj in blocks:
+        if not obj.durable or obj.token_start != offset:
+            break
+        offset = obj.token_end
+    if tail is not None and tail.durable and tail.token_start == offset:
+        return tail.token_end
+    return offset

@@ -20,7 +20,7 @@ import torch
 from .calls import BoundedCalls
 from .config import KVToolConfig
 from .data import BlockTransfer, KVToolMetadata, KVToolWorkerMeta, RequestSave
-from .keys import KeyKind, Namespace, block_key, tail_key, watermark_key
+from .keys import Namespace, object_key, watermark_key
 from .loader import Loader
 from .objects import HEADER_SIZE, ObjectHeader, encode_object
 from .saver import ObjectCopy, Saver, SaveJob
@@ -48,8 +48,8 @@ class WorkerSide:
         self._store = store
         self._config = config
         self._saves_enabled = saves_enabled and store is not None
-        self._layers: list[torch.Tensor] = []
-        self._block_bytes = 0  # bytes of one block across all layers
+        self._groups: list[list[torch.Tensor]] = []  # per KV cache group: its layers' cache tensors
+        self._group_bytes: list[int] = []  # per group: bytes of one block across its layers
         self._load_failures: dict[str, tuple[int, str]] = {}
         self.stats: Counter[str] = Counter()
         self._stats_lock = threading.Lock()
@@ -58,7 +58,7 @@ class WorkerSide:
             store,
             key_of=self._key,
             header_of=self._header,
-            object_bytes=lambda: HEADER_SIZE + self._block_bytes,
+            object_bytes=lambda: HEADER_SIZE + max(self._group_bytes, default=0),
             write_block=self._write_block,
             timeout_s=config.load_timeout_s,
             calls=load_calls,
@@ -67,32 +67,34 @@ class WorkerSide:
 
     # -- set-up -------------------------------------------------------------------------------------
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], layer_names: list[str], num_blocks: int) -> None:
-        layers = []
-        for name in layer_names:
-            tensor = kv_caches.get(name)
-            if tensor is None:
-                raise ValueError(f"no KV cache tensor for layer {name}")
-            if tensor.device.type != "cpu":
-                raise ValueError(
-                    f"the KV cache of layer {name} is on {tensor.device}; this version moves KV on the CPU only"
-                )
-            if tensor.shape[0] != num_blocks:
-                raise ValueError(
-                    f"layer {name}: KV cache of shape {tuple(tensor.shape)} does not have its {num_blocks} blocks "
-                    "in the first dimension"
-                )
-            layers.append(tensor)
-        self._layers = layers
-        self._block_bytes = sum(t[0].numel() * t.element_size() for t in layers)
-        logger.info(
-            "kvtool: %d layers, per-layer block shape %s %s, %d bytes a block; namespace %s",
-            len(layers),
-            tuple(layers[0].shape[1:]) if layers else (),
-            self._namespace.dtype,
-            self._block_bytes,
-            self._ns_key,
-        )
+    def register_kv_caches(
+        self, kv_caches: dict[str, torch.Tensor | list[torch.Tensor]], group_layers: list[list[str]], num_blocks: int
+    ) -> None:
+        """The cache tensors of every group's layers. Each tensor has the blocks in its first dimension
+        (a Mamba layer may have several: its conv and SSM states); a block is copied whole."""
+        groups = []
+        for layer_names in group_layers:
+            tensors = []
+            for name in layer_names:
+                value = kv_caches.get(name)
+                if value is None:
+                    raise ValueError(f"no KV cache tensor for layer {name}")
+                for tensor in value if isinstance(value, (list, tuple)) else [value]:
+                    _check_tensor(name, tensor, num_blocks)
+                    tensors.append(tensor)
+            groups.append(tensors)
+        self._groups = groups
+        self._group_bytes = [sum(t[0].numel() * t.element_size() for t in tensors) for tensors in groups]
+        for index, tensors in enumerate(groups):
+            logger.info(
+                "kvtool: group %d: %d cache tensors, block shape %s %s, %d bytes a block; namespace %s",
+                index,
+                len(tensors),
+                tuple(tensors[0].shape[1:]) if tensors else (),
+                tensors[0].dtype if tensors else "",
+                self._group_bytes[index],
+                self._ns_key,
+            )
         if self._saves_enabled and self._store is not None:
             self._saver = Saver(
                 self._store,
@@ -102,13 +104,12 @@ class WorkerSide:
 
     @property
     def ready(self) -> bool:
-        return bool(self._layers) and self._store is not None
+        return bool(self._groups) and all(self._groups) and self._store is not None
 
     # -- helpers ------------------------------------------------------------------------------------
 
     def _key(self, transfer: BlockTransfer) -> str:
-        make = block_key if transfer.kind is KeyKind.BLOCK else tail_key
-        return make(self._ns_key, transfer.token_end, transfer.chain_hash)
+        return object_key(self._ns_key, transfer.group, transfer.kind, transfer.token_end, transfer.chain_hash)
 
     def _header(self, transfer: BlockTransfer) -> ObjectHeader:
         return ObjectHeader(
@@ -116,10 +117,11 @@ class WorkerSide:
             chain_hash=transfer.chain_hash,
             kind=transfer.kind,
             dtype=self._namespace.dtype,
-            num_layers=len(self._layers),
+            num_layers=len(self._groups[transfer.group]),
             token_start=transfer.token_start,
             token_end=transfer.token_end,
-            payload_len=self._block_bytes,
+            payload_len=self._group_bytes[transfer.group],
+            group=transfer.group,
         )
 
     def _count(self, name: str, amount: int = 1) -> None:
@@ -136,7 +138,9 @@ class WorkerSide:
     def start_load_kv(self, meta: KVToolMetadata) -> None:
         """Start this step's loads in the background (a worker without a store fails them at once)."""
         for load in meta.loads:
-            if self.ready:
+            if load.failure is not None:
+                self._loader.fail(load, "unloadable", load.failure)
+            elif self.ready:
                 self._loader.start(load)
             else:  # planned loads must still fail, or vLLM would use blocks nobody filled
                 self._loader.fail(load, "no_store", "the worker-side connector is disabled or has no store")
@@ -154,10 +158,10 @@ class WorkerSide:
             )
         return set(finished.received), set(failed)
 
-    def _write_block(self, block_id: int, payload: memoryview) -> None:
+    def _write_block(self, transfer: BlockTransfer, payload: memoryview) -> None:
         offset = 0
-        for layer in self._layers:
-            target = layer[block_id]
+        for layer in self._groups[transfer.group]:
+            target = layer[transfer.block_id]
             size = target.numel() * target.element_size()
             source = torch.frombuffer(payload, dtype=torch.uint8, count=size, offset=offset)
             target.copy_(source.view(layer.dtype).view(target.shape))
@@ -184,23 +188,23 @@ class WorkerSide:
         if breaker is not None and breaker.is_open:
             self._count("saves_skipped_breaker")  # no copy made: the store is failing
             return
-        object_bytes = HEADER_SIZE + self._block_bytes
-        fits = self._saver.admit(len(save.transfers), object_bytes)
+        sizes = [HEADER_SIZE + self._group_bytes[transfer.group] for transfer in save.transfers]
+        fits = self._saver.admit(sizes)
         if fits == 0:
             return
-        # The budget keeps a prefix: full blocks in order, the tail only when every block fits.
+        # The budget keeps a prefix: objects in put order (blocks by position, then tails and states).
         copies = [
-            ObjectCopy(
-                number, self._key(transfer), encode_object(self._header(transfer), self._read_block(transfer.block_id))
-            )
+            ObjectCopy(number, self._key(transfer), encode_object(self._header(transfer), self._read_block(transfer)))
             for number, transfer in enumerate(save.transfers[:fits])
         ]
         job = SaveJob(save, copies, lambda seq: watermark_key(self._ns_key, save.req_id, seq))
-        self._saver.submit(job, fits * object_bytes)
+        self._saver.submit(job, sum(sizes[:fits]))
 
-    def _read_block(self, block_id: int) -> bytes:
-        parts = [layer[block_id].contiguous().view(torch.uint8).reshape(-1).numpy().tobytes() for layer in self._layers]
-        return b"".join(parts)
+    def _read_block(self, transfer: BlockTransfer) -> bytes:
+        block = transfer.block_id
+        return b"".join(
+            t[block].contiguous().view(torch.uint8).reshape(-1).numpy().tobytes() for t in self._groups[transfer.group]
+        )
 
     def take_stats(self) -> dict[str, int]:
         with self._stats_lock:
@@ -215,3 +219,13 @@ class WorkerSide:
     def shutdown(self, timeout_s: float | None = None) -> None:
         if self._saver is not None:
             self._saver.shutdown(timeout_s)
+
+
+def _check_tensor(name: str, tensor: torch.Tensor, num_blocks: int) -> None:
+    if tensor.device.type != "cpu":
+        raise ValueError(f"the KV cache of layer {name} is on {tensor.device}; this version moves KV on the CPU only")
+    if tensor.shape[0] != num_blocks:
+        raise ValueError(
+            f"layer {name}: KV cache of shape {tuple(tensor.shape)} does not have its {num_blocks} blocks "
+            "in the first dimension"
+        )

@@ -8,16 +8,16 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
-from connector.keys import KeyKind, decode_key
+from connector.keys import SCHEMA_VERSION, KeyKind, decode_key
 
 from kvtool import admin
 from kvtool.errors import UserError
 from kvtool.report import Report, ReportTable
 
 FOREIGN = "foreign"
-KIND_NAMES = {KeyKind.BLOCK: "block", KeyKind.TAIL: "tail", KeyKind.WATERMARK: "watermark"}
+KIND_NAMES = {KeyKind.BLOCK: "block", KeyKind.TAIL: "tail", KeyKind.STATE: "state", KeyKind.WATERMARK: "watermark"}
 KIND_CHOICES = (*KIND_NAMES.values(), FOREIGN)
-KEY_COLUMNS = ["kind", "namespace", "end_token", "tokens", "hash", "size_bytes", "key"]
+KEY_COLUMNS = ["kind", "namespace", "group", "end_token", "tokens", "hash", "size_bytes", "key"]
 
 
 @dataclass(frozen=True)
@@ -25,14 +25,15 @@ class KeyInfo:
     """One key as ``inspect keys`` shows it; foreign keys (not our schema) keep only ``key``."""
 
     key: str
-    kind: str  # block, tail, watermark or foreign
+    kind: str  # block, tail, state, watermark or foreign
     namespace: str | None = None
-    end_token: int | None = None  # a block's end token, a tail's boundary
+    end_token: int | None = None  # a block's end token, a tail's boundary, a state's position
     tokens: int | None = None  # tokens the object holds: block size for a block, valid tokens for a tail
     chain_hash: str | None = None
     request_hash: str | None = None
     seq: int | None = None
     size_bytes: int | None = None
+    group: int | None = None  # the KV cache group of a block, tail or state
 
 
 def describe_key(key: str, block_size: int | None = None) -> KeyInfo:
@@ -54,6 +55,7 @@ def describe_key(key: str, block_size: int | None = None) -> KeyInfo:
         chain_hash=decoded.chain_hash,
         request_hash=decoded.request_hash,
         seq=decoded.seq,
+        group=decoded.group,
     )
 
 
@@ -79,7 +81,7 @@ def select_keys(
 
 def namespaces(infos: Iterable[KeyInfo]) -> list[str]:
     """The kvtool namespaces that hold at least one block or tail key."""
-    return sorted({i.namespace for i in infos if i.namespace is not None and i.kind in ("block", "tail")})
+    return sorted({i.namespace for i in infos if i.namespace is not None and i.kind in ("block", "tail", "state")})
 
 
 def keys_report(
@@ -128,5 +130,5 @@ def _row(info: KeyInfo) -> dict:
     row = asdict(info)
     row["hash"] = info.chain_hash or (f"req {info.request_hash} seq {info.seq}" if info.request_hash else None)
     if info.kind == FOREIGN:
-        row["kind"] = "foreign (not kvtool/1)"
+        row["kind"] = f"foreign (not kvtool/{SCHEMA_VERSION})"
     return row

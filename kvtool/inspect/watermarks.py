@@ -1,6 +1,6 @@
 """`kvtool inspect watermarks`: each request's latest published watermark record.
 
-Records are immutable objects ``kvtool/1/<ns>/w/<request_hash>/<seq>``; the highest seq of a request
+Records are immutable objects ``kvtool/2/<ns>/w/<request_hash>/<seq>``; the highest seq of a request
 is its current state. ``latest_record_keys`` and ``watermark_rows`` are pure; reading the records
 needs a store client (``target.open_reader``).
 """

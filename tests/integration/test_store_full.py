@@ -37,7 +37,7 @@ def test_a_full_segment_fails_puts_and_a_consumer_never_sees_past_the_watermark(
         saves = plan_save(keys)
         transfers = tuple(BlockTransfer(s.block_index, s.kind, s.token_start, s.token_end, s.chain_hash) for s in saves)
         worker = WorkerSide(NS, store, small, saves_enabled=True)
-        worker.register_kv_caches(caches, LAYERS, BLOCKS)
+        worker.register_kv_caches(caches, [LAYERS], BLOCKS)
         worker.wait_for_save(KVToolMetadata(saves=[RequestSave("big", transfers, prompt_tokens=len(tokens))]))
         worker.shutdown(timeout_s=60)
         stats = worker.take_stats()

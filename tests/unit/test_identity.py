@@ -347,7 +347,7 @@ KNOWN_NAMESPACE = "1ce2ff7aeef39f81"  # computed with the code before the identi
 def test_engine_namespace_folds_in_the_model_identity():
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    from connector.layout import engine_namespace
+    from connector.layout import engine_layout
 
     spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float32)
     kv_cache_config = SimpleNamespace(
@@ -356,7 +356,7 @@ def test_engine_namespace_folds_in_the_model_identity():
 
     def namespace(cfg, digest=""):
         cfg.parallel_config = SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1)
-        return engine_namespace(cfg, kv_cache_config, None, digest)
+        return engine_layout(cfg, kv_cache_config, None, digest).namespace
 
     base = namespace(vllm_config())
     assert base.model_identity == model_identity(vllm_config())

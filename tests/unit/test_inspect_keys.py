@@ -48,9 +48,9 @@ def test_foreign_keys_are_marked_not_dropped():
     foreign = [
         "vllm@model@tp0@abc",  # another program
         f"kvtool/2/{ns}/b/32/{'0' * 32}",  # another schema version
-        f"kvtool/1/{ns}/x/32/{'0' * 32}",  # unknown kind
-        f"kvtool/1/{ns}/b/32/{'0' * 31}",  # short hash
-        f"kvtool/1/{ns[:-1]}/t/5/{'0' * 32}",  # short namespace
+        f"kvtool/2/{ns}/0/x/32/{'0' * 32}",  # unknown kind
+        f"kvtool/2/{ns}/0/b/32/{'0' * 31}",  # short hash
+        f"kvtool/2/{ns[:-1]}/0/t/5/{'0' * 32}",  # short namespace
     ]
     for key in foreign:
         info = describe_key(key)
@@ -69,7 +69,7 @@ def test_filters_combine_and_order_by_namespace_kind_and_token():
     infos = [describe_key(k) for k in keys]
     assert [i.end_token for i in select_keys(infos, kind="block", namespace=ns)] == [32, 64]
     assert [i.key for i in select_keys(infos, kind="foreign")] == ["foreign-key"]
-    assert len(select_keys(infos, prefix=f"kvtool/1/{other}/")) == 1
+    assert len(select_keys(infos, prefix=f"kvtool/2/{other}/")) == 1
     assert namespaces(infos) == sorted([ns, other])
 
 

@@ -51,7 +51,7 @@ def test_saves_beyond_the_budget_are_dropped_and_counted_and_the_engine_never_wa
     store = HeldStore()
     budget = 3 * (HEADER_SIZE + BLOCK_BYTES)  # three objects
     side = WorkerSide(NS, store, config(save_buffer_bytes=budget), saves_enabled=True)
-    side.register_kv_caches(kv_caches("random"), LAYERS, NUM_BLOCKS)
+    side.register_kv_caches(kv_caches("random"), [LAYERS], NUM_BLOCKS)
     # 85 tokens: 3 objects (two blocks, a tail). Then 100 tokens: 4 objects, of which none fits.
     side.wait_for_save(KVToolMetadata(saves=[prompt_save("a", 0, 85, [1, 2, 3])]))
     side.wait_for_save(KVToolMetadata(saves=[prompt_save("b", 1000, 100, [4, 5, 6, 7])]))
@@ -68,7 +68,7 @@ def test_a_save_that_half_fits_keeps_its_leading_blocks_and_its_watermark_stops_
     store = ScriptedStore()
     budget = 2 * (HEADER_SIZE + BLOCK_BYTES)
     side = WorkerSide(NS, store, config(save_buffer_bytes=budget), saves_enabled=True)
-    side.register_kv_caches(kv_caches("random"), LAYERS, NUM_BLOCKS)
+    side.register_kv_caches(kv_caches("random"), [LAYERS], NUM_BLOCKS)
     side.wait_for_save(KVToolMetadata(saves=[prompt_save("a", 0, 85, [1, 2, 3])]))
     side.shutdown()
     final = records(store)[1]
@@ -84,7 +84,7 @@ def test_a_save_stops_at_its_first_failed_put():
         tried.append(key) or (PutOutcome.NO_SPACE if "/b/32/" in key else PutOutcome.STORED)
     )
     side = WorkerSide(NS, store, config(), saves_enabled=True)
-    side.register_kv_caches(kv_caches("random"), LAYERS, NUM_BLOCKS)
+    side.register_kv_caches(kv_caches("random"), [LAYERS], NUM_BLOCKS)
     side.wait_for_save(KVToolMetadata(saves=[prompt_save("a", 0, 85, [1, 2, 3])]))
     side.shutdown()
     data = [key for key in tried if "/w/" not in key]
@@ -96,7 +96,7 @@ def test_a_save_stops_at_its_first_failed_put():
 def test_objects_already_in_the_store_are_not_sent_again():
     store = ScriptedStore()
     side = WorkerSide(NS, store, config(), saves_enabled=True)
-    side.register_kv_caches(kv_caches("random"), LAYERS, NUM_BLOCKS)
+    side.register_kv_caches(kv_caches("random"), [LAYERS], NUM_BLOCKS)
     side.wait_for_save(KVToolMetadata(saves=[prompt_save("a", 0, 85, [1, 2, 3])]))
     side.wait_for_save(KVToolMetadata(saves=[prompt_save("b", 0, 85, [1, 2, 3])]))
     side.shutdown()
@@ -108,7 +108,7 @@ def test_objects_already_in_the_store_are_not_sent_again():
 def test_shutdown_drains_for_its_time_limit_then_drops_and_counts_the_rest():
     store = HeldStore()
     side = WorkerSide(NS, store, config(), saves_enabled=True)
-    side.register_kv_caches(kv_caches("random"), LAYERS, NUM_BLOCKS)
+    side.register_kv_caches(kv_caches("random"), [LAYERS], NUM_BLOCKS)
     side.wait_for_save(KVToolMetadata(saves=[prompt_save("a", 0, 85, [1, 2, 3])]))
     side.wait_for_save(KVToolMetadata(saves=[prompt_save("b", 500, 85, [4, 5, 6])]))
     side.shutdown(timeout_s=0.0)  # the store is stuck past the drain limit: shutdown returns anyway
@@ -126,7 +126,7 @@ def test_an_open_breaker_skips_saves_without_copying():
     store = ScriptedStore()
     store.breaker = Open()
     side = WorkerSide(NS, store, config(), saves_enabled=True)
-    side.register_kv_caches(kv_caches("random"), LAYERS, NUM_BLOCKS)
+    side.register_kv_caches(kv_caches("random"), [LAYERS], NUM_BLOCKS)
     side.wait_for_save(KVToolMetadata(saves=[prompt_save("a", 0, 85, [1, 2, 3])]))
     assert side._saver.held_bytes == 0
     side.shutdown()
@@ -147,7 +147,7 @@ def test_a_load_that_does_not_answer_in_time_fails_its_request_only_and_its_late
     store = ScriptedStore()
     source = kv_caches("random")
     saver = WorkerSide(NS, store, config(), saves_enabled=True)
-    saver.register_kv_caches(source, LAYERS, NUM_BLOCKS)
+    saver.register_kv_caches(source, [LAYERS], NUM_BLOCKS)
     saver.wait_for_save(KVToolMetadata(saves=[prompt_save("a", 0, 85, [1, 2, 3])]))
     saver.shutdown()
 
@@ -161,7 +161,7 @@ def test_a_load_that_does_not_answer_in_time_fails_its_request_only_and_its_late
     calls = BoundedCalls("test-load", limit=2)
     side = WorkerSide(NS, SlowStore(), config(load_timeout_s=5), saves_enabled=False, load_calls=calls)
     side._loader._clock = clock
-    side.register_kv_caches(target, LAYERS, NUM_BLOCKS)
+    side.register_kv_caches(target, [LAYERS], NUM_BLOCKS)
     load = RequestLoad("late", prompt_save("late", 0, 85, [4, 5, 6]).transfers)
     try:
         side.start_load_kv(KVToolMetadata(loads=[load]))
@@ -185,12 +185,12 @@ def test_loads_of_one_step_are_all_received_with_their_blocks_in_place():
     store = ScriptedStore()
     source = kv_caches("random")
     saver = WorkerSide(NS, store, config(), saves_enabled=True)
-    saver.register_kv_caches(source, LAYERS, NUM_BLOCKS)
+    saver.register_kv_caches(source, [LAYERS], NUM_BLOCKS)
     saver.wait_for_save(KVToolMetadata(saves=[prompt_save("a", 0, 85, [1, 2, 3])]))
     saver.shutdown()
     target = kv_caches("zeros")
     side = WorkerSide(NS, store, config(), saves_enabled=False, load_calls=InlineCalls())
-    side.register_kv_caches(target, LAYERS, NUM_BLOCKS)
+    side.register_kv_caches(target, [LAYERS], NUM_BLOCKS)
     side.start_load_kv(KVToolMetadata(loads=[RequestLoad("x", prompt_save("x", 0, 85, [4, 5, 6]).transfers)]))
     assert side.get_finished() == ({"x"}, set())
     for name in LAYERS:

@@ -44,13 +44,13 @@ def test_a_hung_backend_call_is_a_timeout_and_hung_calls_never_queue_others():
 
 def test_faults_wrap_the_interface(tmp_path):
     backend = ScriptedStore()
-    backend.objects["kvtool/1/ns/b/32/aa"] = b"0123456789"
+    backend.objects["kvtool/2/ns/0/b/32/aa"] = b"0123456789"
     plan = tmp_path / "faults.json"
     store = FaultyStore(backend, str(plan))
-    assert store.get(["kvtool/1/ns/b/32/aa"]) == [b"0123456789"]  # no plan file: no faults
+    assert store.get(["kvtool/2/ns/0/b/32/aa"]) == [b"0123456789"]  # no plan file: no faults
     plan.write_text(json.dumps({"corrupt_get": "flip", "put_outcome": "no_space", "put_kinds": ["t"]}))
-    assert store.get(["kvtool/1/ns/b/32/aa"]) == [b"0123456788"]
-    assert store.put("kvtool/1/ns/t/20/bb", b"x") is PutOutcome.NO_SPACE
-    assert store.put("kvtool/1/ns/b/64/cc", b"x") is PutOutcome.STORED
+    assert store.get(["kvtool/2/ns/0/b/32/aa"]) == [b"0123456788"]
+    assert store.put("kvtool/2/ns/0/t/20/bb", b"x") is PutOutcome.NO_SPACE
+    assert store.put("kvtool/2/ns/0/b/64/cc", b"x") is PutOutcome.STORED
     plan.write_text("{not json")  # a half-written plan injects nothing
-    assert store.get(["kvtool/1/ns/b/32/aa"]) == [b"0123456789"]
+    assert store.get(["kvtool/2/ns/0/b/32/aa"]) == [b"0123456789"]

@@ -34,7 +34,7 @@ def kv_caches(fill: str):
 
 def worker(store, caches, saves=True):
     side = WorkerSide(NS, store, CONFIG, saves_enabled=saves, load_calls=InlineCalls())
-    side.register_kv_caches(caches, LAYERS, NUM_BLOCKS)
+    side.register_kv_caches(caches, [LAYERS], NUM_BLOCKS)
     return side
 
 
@@ -173,4 +173,4 @@ def test_kv_caches_off_the_cpu_are_refused_at_registration():
     # The connector turns this into one warning and serves without itself (no GPU path yet).
     caches = {name: torch.empty(NUM_BLOCKS, 2, BLOCK, 128, device="meta") for name in LAYERS}
     with pytest.raises(ValueError, match="CPU only"):
-        WorkerSide(NS, ScriptedStore(), CONFIG, saves_enabled=True).register_kv_caches(caches, LAYERS, NUM_BLOCKS)
+        WorkerSide(NS, ScriptedStore(), CONFIG, saves_enabled=True).register_kv_caches(caches, [LAYERS], NUM_BLOCKS)
