@@ -1,4 +1,4 @@
-"""`kvtool model`: generate (once) a random-weight Llama with its tokenizer and print its directory."""
+"""`kvtool model`: generate (once) a random-weight model with its tokenizer and print its directory."""
 
 from __future__ import annotations
 
@@ -14,15 +14,23 @@ from kvtool.errors import UserError
 @user_errors_exit
 def model_command(
     preset: Annotated[
-        str, typer.Option("--preset", help="tiny (2 layers, tests) or bench (12 layers, TTFT benchmarks)")
+        str,
+        typer.Option(
+            "--preset",
+            help="tiny (2-layer Llama, tests), bench (12-layer Llama, TTFT benchmarks), swa (Gemma3, sliding "
+            "window + full attention) or mamba (Granite hybrid, Mamba2 + attention)",
+        ),
     ] = "tiny",
     size: Annotated[str | None, typer.Option("--size", help="deprecated name of --preset", hidden=True)] = None,
     path: Annotated[
         Path | None,
-        typer.Option("--path", help="where to write it \\[default: $KVTOOL_HOME/models/<preset>-llama]"),
+        typer.Option(
+            "--path",
+            help="where to write it \\[default: $KVTOOL_HOME/models/<preset>-<architecture>, e.g. tiny-llama]",
+        ),
     ] = None,
 ) -> None:
-    """Generate (once) a random-weight Llama model with its tokenizer and print its directory."""
+    """Generate (once) a random-weight model with its tokenizer and print its directory."""
     from kvtool.model import PRESETS, ensure_default_model
 
     if size is not None:
