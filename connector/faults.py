@@ -33,6 +33,7 @@ class FaultPlan(BaseModel):
     fail_exists: bool = False  # existence queries fail (RPC failure)
     fail_get: bool = False  # loads find nothing (the segment's owner is gone)
     corrupt_get: Literal["flip", "truncate", "namespace"] | None = None  # what loads read back
+    get_kinds: tuple[Literal["b", "t", "s"], ...] = ("b", "t", "s")  # which objects corrupt_get spoils
     put_outcome: Literal["no_space", "failed"] | None = None
     put_kinds: tuple[Literal["b", "t", "s", "w"], ...] = ("b", "t", "s", "w")  # which keys put_outcome hits
 
@@ -107,7 +108,7 @@ class FaultyStore:
         if plan.corrupt_get is None:
             return values
         return [
-            corrupt(v, plan.corrupt_get) if v is not None and _kind_of(k) in ("b", "t", "s") else v
+            corrupt(v, plan.corrupt_get) if v is not None and _kind_of(k) in plan.get_kinds else v
             for k, v in zip(keys, values, strict=True)
         ]
 

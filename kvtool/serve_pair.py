@@ -67,6 +67,15 @@ class ServePairConfig(BaseModel):
     startup_timeout_s: float = 300.0
     # Testing only: a fault plan file (connector/faults.py) the kvtool connectors read while they run.
     fault_control_file: Path | None = None
+    # What a model preset needs (kvtool/model.py): extra vLLM flags, and the KV block size the engines
+    # end up with when vLLM raises --block-size (a Mamba hybrid aligns it to its state page).
+    engine_args: tuple[str, ...] = ()
+    kv_block_size: int | None = None
+
+    @property
+    def effective_block_size(self) -> int:
+        """The block size of the engines' KV cache: what stored keys are built with."""
+        return self.kv_block_size or self.block_size
 
     @property
     def uses_mooncake(self) -> bool:
@@ -233,6 +242,7 @@ def engine_argv(cfg: ServePairConfig, role: Role, python: str = sys.executable) 
     ]
     if cfg.enforce_eager:
         argv.append("--enforce-eager")
+    argv += cfg.engine_args
     transfer = kv_transfer_config(cfg, role)
     if transfer is not None:
         argv += ["--kv-transfer-config", json.dumps(transfer, separators=(",", ":"))]
@@ -371,7 +381,7 @@ def ready_info(
         admin=admin_url,
         master_pid=pids.get("master"),  # None when --master names a master kvtool does not run
         model=str(cfg.model),
-        block_size=cfg.block_size,
+        block_size=cfg.effective_block_size,
         hash_unit=cfg.hash_unit,
         max_model_len=cfg.max_model_len,
         connector=cfg.connector,

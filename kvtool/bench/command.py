@@ -141,7 +141,7 @@ def run_bench(
         assert launch is not None
         connectors = compare or [launch.connector]
         planned = plan_workloads(
-            config, launch.block_size, launch.hash_unit, model_vocab_size(launch.model), launch.max_model_len
+            config, launch.effective_block_size, launch.hash_unit, model_vocab_size(launch.model), launch.max_model_len
         )
         reports = {}
         # One pair at a time: each is stopped before the next starts (they share ports and cores).
@@ -152,7 +152,7 @@ def run_bench(
                 with launched_pair(one, say) as (info, _procs):
                     pair = pair_info(info, "the launched pair")
                     runs = run_workloads(pair, config, planned, progress_console)
-                    reports[connector] = connector_report(runs, launch.block_size)
+                    reports[connector] = connector_report(runs, launch.effective_block_size)
             except UserError as exc:
                 if len(connectors) == 1:
                     raise

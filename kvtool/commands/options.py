@@ -131,7 +131,11 @@ class PairOptions:
         _pair("Hugging Face model directory \\[default: a generated random-weight Llama, see --model-preset]"),
     ] = None
     model_preset: Annotated[
-        str, _pair("model generated when --model is not given: tiny (2 layers, tests) or bench (12 layers, TTFT)")
+        str,
+        _pair(
+            "model generated when --model is not given: tiny (2 layers, tests), bench (12 layers, TTFT), swa "
+            "(Gemma3-style sliding window + full attention) or mamba (GraniteMoeHybrid-style Mamba2 + attention)"
+        ),
     ] = "tiny"
     model_size: Annotated[str | None, _pair("deprecated name of --model-preset", "--model-size", hidden=True)] = None
     producer_port: Annotated[int, _pair("producer vLLM server port on 127.0.0.1")] = 8100
@@ -211,10 +215,14 @@ class PairOptions:
         self.check()
         if self.model_size is not None:
             report("--model-size is deprecated; use --model-preset")
-        model = self.model
+        model, engine_args, kv_block_size = self.model, (), None
         if model is None:
+            from kvtool.model import PRESETS
+
             report(f"no --model given; using the generated {self.preset} model")
             model = ensure_default_model(preset=self.preset)
+            preset = PRESETS[self.preset]
+            engine_args, kv_block_size = preset.engine_args, preset.kv_block_size_for(self.block_size)
         try:
             return ServePairConfig(
                 model=model.expanduser().resolve(),
@@ -237,6 +245,8 @@ class PairOptions:
                 enforce_eager=self.enforce_eager,
                 startup_timeout_s=self.startup_timeout,
                 fault_control_file=self.fault_control_file.resolve() if self.fault_control_file else None,
+                engine_args=engine_args,
+                kv_block_size=kv_block_size,
             )
         except ValidationError as exc:
             first = exc.errors()[0]

@@ -7,6 +7,7 @@ KVTOOL_E2E_CONNECTOR / KVTOOL_E2E_STORE to run the suite against another configu
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -53,19 +54,17 @@ def _stop(process: subprocess.Popen) -> None:
         process.wait(timeout=10)
 
 
-# pytest retries a failed session fixture for every test that asks for it; one failed start is enough.
-_start_failure: list[str] = []
+# pytest retries a failed fixture for every test that asks for it; one failed start per preset is enough.
+_start_failures: dict[str, str] = {}
 
 
-@pytest.fixture(scope="session")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    """The parsed ready file of a running serve-pair (see kvtool.serve_pair.ready_info), as first written.
-
-    ``ready_file`` is added: serve-pair rewrites the file when it restarts the master (new pid).
-    """
-    if _start_failure:
-        pytest.fail(f"serve-pair failed to start earlier in this session:\n{_start_failure[0]}", pytrace=False)
-    workdir = tmp_path_factory.mktemp("pair")
+@contextlib.contextmanager
+def running_pair(workdir: Path, preset: str = "tiny") -> Iterator[dict[str, Any]]:
+    """A serve-pair on free ports for ``preset``'s generated model, until the block ends: its parsed
+    ready file (kvtool/ready.py), as first written, plus ``ready_file`` (serve-pair rewrites it when it
+    restarts the master) and ``fault_control_file``."""
+    if preset in _start_failures:
+        pytest.fail(f"serve-pair failed to start earlier in this session:\n{_start_failures[preset]}", pytrace=False)
     ready_file = workdir / "ready.json"
     log_dir = workdir / "logs"
     log_dir.mkdir()
@@ -79,6 +78,8 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         str(ready_file),
         "--log-dir",
         str(log_dir),
+        "--model-preset",
+        preset,
         "--connector",
         os.environ.get("KVTOOL_E2E_CONNECTOR", "kvtool"),
         "--store",
@@ -103,8 +104,8 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             elif time.monotonic() > deadline:
                 problem = f"serve-pair was not ready after {READY_TIMEOUT_S:.0f} s"
             if problem is not None:
-                _start_failure.append(f"{problem}\n{_log_tails(log_dir)}")
-                pytest.fail(_start_failure[-1], pytrace=False)
+                _start_failures[preset] = f"{problem}\n{_log_tails(log_dir)}"
+                pytest.fail(_start_failures[preset], pytrace=False)
             time.sleep(0.5)
         info = read_ready_file(ready_file).to_json()  # the contract serve-pair writes (kvtool/ready.py)
         info["fault_control_file"] = str(fault_control)
@@ -112,6 +113,13 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         yield info
     finally:
         _stop(process)
+
+
+@pytest.fixture(scope="session")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """The session's pair on the tiny model (see running_pair)."""
+    with running_pair(tmp_path_factory.mktemp("pair")) as info:
+        yield info
 
 
 @pytest.fixture

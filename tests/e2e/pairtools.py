@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
 import random
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from connector.config import load_config
 from connector.hits import HitDetails
+from connector.store import TimedStore, open_store
 from kvtool.admin import wait_for_key
 from kvtool.client import complete
 from kvtool.procs import http_ok
@@ -82,3 +88,35 @@ def consume(pair: dict, tokens: list[int]) -> tuple[HitDetails, dict]:
     comparison = compare_answers(answer, reference, TOLERANCE)
     assert comparison.matches, comparison.reason
     return hit_details(answer), answer
+
+
+@contextmanager
+def store_client(pair: dict) -> Iterator[TimedStore]:
+    """A store client of the test's own on the pair's master, lending no memory."""
+    client = open_store(load_config({"master_server_address": pair["master"], "global_segment_size": 0}))
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+def remove(pair: dict, key: str, timeout_s: float = 30.0) -> None:
+    """Remove one object, retrying while a recent read's lease holds it (-706)."""
+    with store_client(pair) as client:
+        deadline = time.monotonic() + timeout_s
+        while (code := client.remove(key)) != 0:
+            assert time.monotonic() < deadline, f"remove of {key} kept returning {code}"
+            time.sleep(0.5)
+
+
+@contextmanager
+def faults(pair: dict, **plan) -> Iterator[None]:
+    """A fault plan (connector/faults.py) the pair's connectors apply while the block runs."""
+    path = Path(pair["fault_control_file"])
+    staging = path.with_suffix(".tmp")
+    staging.write_text(json.dumps(plan))
+    os.replace(staging, path)
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)

@@ -3,11 +3,7 @@ equals a recomputation, the hit details and metrics name the cause, and watermar
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -18,21 +14,9 @@ from connector.watermarks import SaveState, WatermarkRecord
 from kvtool import prometheus
 from kvtool.client import complete
 
-from .pairtools import consume, hit_details, produce, prompt
+from .pairtools import consume, faults, hit_details, produce, prompt
 
 pytestmark = pytest.mark.e2e
-
-
-@contextlib.contextmanager
-def faults(pair: dict, **plan):
-    path = Path(pair["fault_control_file"])
-    staging = path.with_suffix(".tmp")
-    staging.write_text(json.dumps(plan))
-    os.replace(staging, path)
-    try:
-        yield
-    finally:
-        path.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="module")

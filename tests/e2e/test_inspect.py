@@ -8,18 +8,15 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from connector.config import load_config
 from connector.hashing import RequestIdentity
 from connector.keys import decode_key
 from connector.prefix import PromptKeys
-from connector.store import open_store
 
-from .pairtools import consume, produce, prompt
+from .pairtools import consume, produce, prompt, remove
 
 pytestmark = pytest.mark.e2e
 
@@ -48,18 +45,6 @@ def predicted(ready_file: Path, tokens: list[int], namespace: str, *args: str) -
     ids = ",".join(map(str, tokens))
     report = inspect("prompt", "--pair", ready_file, "--tokens", ids, "--namespace", namespace, *args)
     return report, {(b["kind"], b["end_token"]): b for b in report["boundaries"]}
-
-
-def remove(pair: dict, key: str, timeout_s: float = 30.0) -> None:
-    """Remove one object, retrying while a recent read's lease holds it (-706)."""
-    client = open_store(load_config({"master_server_address": pair["master"], "global_segment_size": 0}))
-    try:
-        deadline = time.monotonic() + timeout_s
-        while (code := client.remove(key)) != 0:
-            assert time.monotonic() < deadline, f"remove of {key} kept returning {code}"
-            time.sleep(0.5)
-    finally:
-        client.close()
 
 
 def test_inspect_follows_a_producer_request_and_predicts_the_consumer(pair, ready_file):

@@ -1,0 +1,131 @@
+"""Hybrid models on a real pair: every cache group saved and loaded to the exact boundary.
+
+One pair per preset (``swa``: Gemma3-style sliding window + full attention; ``mamba``:
+GraniteMoeHybrid-style Mamba2 + attention), started once for this module. Every consumer answer is
+compared with a recomputation under a fresh ``cache_salt`` (on hybrid models an engine's own local
+reuse of a sub-block Mamba state is not exact, so it is never the reference), top-5 logprobs within
+1e-3.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from connector.hashing import RequestIdentity
+from connector.keys import KeyKind, object_key
+from connector.prefix import PromptKeys
+from kvtool.client import complete
+from kvtool.verify import compare_answers
+
+from .conftest import running_pair
+from .pairtools import GENERATE, TOLERANCE, HitDetails, faults, hit_details, produce, prompt, remove, store_client
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module", params=["swa", "mamba"])
+def hybrid(request, tmp_path_factory) -> Iterator[dict]:
+    with running_pair(tmp_path_factory.mktemp(f"pair-{request.param}"), request.param) as info:
+        info["preset"] = request.param
+        yield info
+
+
+def consume(pair: dict, tokens: list[int]) -> HitDetails:
+    """The consumer's answer, checked against a recomputation under a fresh cache_salt."""
+    extra = {"return_tokens_as_token_ids": True}
+    answer = complete(pair["consumer"], pair["model"], tokens, max_tokens=GENERATE, logprobs=5, extra=extra)
+    reference = complete(
+        pair["consumer"], pair["model"], tokens, max_tokens=GENERATE, logprobs=5,
+        extra={**extra, "cache_salt": uuid.uuid4().hex},
+    )  # fmt: skip
+    assert hit_details(reference).reused_tokens == 0, "the reference reused KV"
+    comparison = compare_answers(answer, reference, TOLERANCE)
+    assert comparison.matches, comparison.reason
+    return hit_details(answer)
+
+
+def group_keys(pair: dict, tokens: list[int], namespace: str, kind: KeyKind) -> list[str]:
+    """The keys of that kind at the prompt's end, in every group that could have one (groups 0-3)."""
+    keys = PromptKeys.build(tokens, pair["block_size"], pair["hash_unit"], namespace, RequestIdentity().root_hash())
+    end, digest = len(tokens), keys.chain_hash(len(tokens))
+    return [object_key(namespace, group, kind, end, digest) for group in range(4)]
+
+
+def test_a_prompt_shorter_than_one_block_is_reused_whole(hybrid):
+    base = prompt(3001, 20)
+    produce(hybrid, base)
+    assert consume(hybrid, base + prompt(3002, 11)).external_hit_tokens == 20
+
+
+def test_a_tail_crossing_a_block_boundary_is_reused_to_the_token(hybrid):
+    length = hybrid["block_size"] + 21
+    base = prompt(3003, length)
+    produced = produce(hybrid, base)
+    assert produced.save_tail_boundary == length
+    details = consume(hybrid, base + prompt(3004, 9))
+    assert details.external_hit_tokens == length
+    assert (details.block_hit_tokens, details.tail_hit_tokens) == (hybrid["block_size"], 21)
+
+
+def test_a_one_token_tail_is_reused(hybrid):
+    length = hybrid["block_size"] + 1
+    base = prompt(3005, length)
+    produce(hybrid, base)
+    assert consume(hybrid, base + prompt(3006, 6)).external_hit_tokens == length
+
+
+def test_a_turn_extension_reuses_the_previous_turn_then_itself(hybrid):
+    first = prompt(3007, 50)
+    produce(hybrid, first)
+    second = first + prompt(3008, 45)
+    produce(hybrid, second)
+    details = consume(hybrid, second + prompt(3009, 10))
+    assert details.external_hit_tokens == len(second)
+
+
+def test_an_unseen_prompt_is_a_miss_and_exact(hybrid):
+    details = consume(hybrid, prompt(3010, 70))
+    assert details.reused_tokens == 0 and details.lookup == "miss"
+
+
+def test_the_same_prompt_unchanged_at_the_consumer(hybrid):
+    """The disaggregated continuation: the consumer must compute the prompt's last token itself.
+
+    Attention groups reuse ``L - 1`` tokens from the objects at ``L``. A Mamba group needs the state
+    after exactly ``L - 1`` tokens, which the producer's save (the state after ``L``) does not hold:
+    no hit on the mamba preset yet (the ``L - 1`` state is open work).
+    """
+    base = prompt(3011, hybrid["block_size"] + 30)
+    produce(hybrid, base)
+    details = consume(hybrid, base)
+    expected = len(base) - 1 if hybrid["preset"] == "swa" else 0
+    assert details.external_hit_tokens == expected, details
+
+
+def test_a_corrupted_object_of_one_group_is_a_recompute_and_exact(hybrid):
+    """Only one group's objects are spoiled (the state on mamba, tails on swa): the whole load fails."""
+    base = prompt(3012, hybrid["block_size"] + 12)
+    produce(hybrid, base)
+    spoiled = ["s"] if hybrid["preset"] == "mamba" else ["t"]
+    with faults(hybrid, corrupt_get="flip", get_kinds=spoiled):
+        details = consume(hybrid, base + prompt(3013, 8))
+    assert details.external_hit_tokens == 0 and details.load_failure == "checksum", details
+
+
+def test_a_missing_object_of_one_group_drops_the_hit_consistently(hybrid):
+    base = prompt(3014, hybrid["block_size"] + 17)
+    produced = produce(hybrid, base)
+    kind = KeyKind.STATE if hybrid["preset"] == "mamba" else KeyKind.TAIL
+    candidates = group_keys(hybrid, base, produced.namespace, kind)
+    with store_client(hybrid) as client:
+        stored = [key for key, found in zip(candidates, client.exists(candidates), strict=True) if found]
+    assert stored, f"no {kind.name.lower()} object of the prompt in any group"
+    remove(hybrid, stored[-1])  # one group's object only
+    details = consume(hybrid, base + prompt(3015, 5))
+    # Without the state there is no boundary the mamba preset can serve; without one group's tail the
+    # swa preset falls back to the full block every group holds.
+    expected = 0 if hybrid["preset"] == "mamba" else hybrid["block_size"]
+    assert details.external_hit_tokens == expected, details
