@@ -47,6 +47,9 @@ class RequestSave:
     tag: str | None = None  # the client's kvtool_tag, echoed in the watermark record
     last_block_key: str | None = None  # of the whole prompt, stored before or not
     tail_key: str | None = None
+    # A state checkpoint (a Mamba group's state at a boundary inside the prompt, saved in the step that
+    # computed it): its objects are put like any save's, but it writes no watermark records.
+    checkpoint: bool = False
 
 
 @dataclass

@@ -172,7 +172,7 @@ class Saver:
             return [False] * len(keys)  # a put of a present key is a no-op
 
     def _put_record(self, job: SaveJob, seq: int) -> None:
-        if self._stopping():
+        if self._stopping() or job.save.checkpoint:
             return
         outcome = self._put(job.watermark_key(seq), job.record().encode())
         self._count(f"watermarks_{outcome.value}")

@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import logging
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from .config import KVToolConfig
 from .data import BlockTransfer, KVToolMetadata, RequestLoad, RequestSave, StoredObject
-from .groups import NULL_BLOCK_ID, CacheGroup
+from .groups import NULL_BLOCK_ID, CacheGroup, GroupKind
 from .hashing import RequestIdentity
 from .hits import HitDetails
 from .identity import UnhashableRequest, request_identity
@@ -89,6 +90,7 @@ class SchedulerSide:
         self._namespace = namespace.key_component()
         self._block_size = namespace.block_size
         self._groups = groups or single_group(namespace.block_size)
+        self._current_tables: Callable[[str], tuple[list[int], ...] | None] | None = None
         self._store = store
         self._loads_enabled = loads_enabled and store is not None
         self._saves_enabled = saves_enabled and store is not None
@@ -207,6 +209,10 @@ class SchedulerSide:
         self._pending_loads = []
         if not self._saves_enabled:
             return meta
+        # vLLM's current block tables (never an append-only mirror: a sliding window or a Mamba group
+        # frees blocks and reuses their ids) and this step's exact Mamba boundary states.
+        block_state = getattr(scheduler_output, "kv_connector_block_state", None)
+        self._current_tables = block_state.get_block_ids if block_state is not None else None
         for new_req in scheduler_output.scheduled_new_reqs:
             tracked = self._tracked.get(new_req.req_id)
             if tracked is None:
@@ -227,7 +233,44 @@ class SchedulerSide:
                         tracked.block_ids.append([])
                     tracked.block_ids[group].extend(ids)
             self._maybe_save(meta, tracked, cached.num_computed_tokens[index], scheduler_output)
+        if block_state is not None and block_state.boundary_state_offloads:
+            self._save_boundary_states(meta, block_state.boundary_state_offloads)
+        self._current_tables = None
         return meta
+
+    def _save_boundary_states(self, meta: KVToolMetadata, offloads: dict[str, list[tuple[int, int, int]]]) -> None:
+        """Save the Mamba states vLLM's align mode keeps at boundaries inside a prompt, from the exact
+        blocks it names, in the step that computes them (a later step's forward may overwrite them).
+
+        With them a prompt that shares only the first blocks of a stored one, or the stored prompt
+        itself sent unchanged, hits at the last boundary its state group holds."""
+        saves = {save.req_id: index for index, save in enumerate(meta.saves)}
+        for req_id, entries in offloads.items():
+            tracked = self._tracked.get(req_id)
+            if tracked is None or tracked.unhashable:
+                continue
+            keys, prompt_len = tracked.keys, len(tracked.keys.tokens)
+            transfers = []
+            for group, block_id, boundary in entries:
+                if group >= len(self._groups) or self._groups[group].kind is not GroupKind.STATE:
+                    continue
+                if block_id == NULL_BLOCK_ID or not 0 < boundary <= prompt_len:
+                    continue  # past the prompt: a resumed request's re-prefill, not the prompt's state
+                ref = keys.state_ref(boundary, group)
+                transfers.append(
+                    BlockTransfer(block_id, ref.kind, ref.token_start, ref.token_end, ref.chain_hash, group)
+                )
+            if not transfers:
+                continue
+            self.stats["state_checkpoints"] += len(transfers)
+            index = saves.get(req_id)
+            if index is not None:  # the prompt's own save this step: one job, states after its objects
+                save = meta.saves[index]
+                have = {(t.group, t.kind, t.token_end) for t in save.transfers}
+                extra = tuple(t for t in transfers if (t.group, t.kind, t.token_end) not in have)
+                meta.saves[index] = replace(save, transfers=save.transfers + extra)
+            else:
+                meta.saves.append(RequestSave(req_id, tuple(transfers), prompt_tokens=prompt_len, checkpoint=True))
 
     def _maybe_save(
         self, meta: KVToolMetadata, tracked: _Tracked, num_computed: int, scheduler_output: SchedulerOutput
@@ -278,7 +321,10 @@ class SchedulerSide:
 
     def _source_block(self, tracked: _Tracked, save: ObjectRef, computed_before_step: int) -> int | None:
         """The block a save object is copied from, or None when the request no longer holds it."""
-        ids = tracked.block_ids[save.group] if save.group < len(tracked.block_ids) else []
+        tables = self._current_tables(tracked.request.request_id) if self._current_tables is not None else None
+        if tables is None:
+            tables = tracked.block_ids
+        ids = tables[save.group] if save.group < len(tables) else []
         if save.block_index >= len(ids) or ids[save.block_index] == NULL_BLOCK_ID:
             return None
         if save.block_index < self._groups[save.group].live_from_block(computed_before_step):

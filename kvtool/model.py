@@ -60,6 +60,23 @@ class ModelPreset:
     # Not part of the generated files, so not in the marker.
     engine_args: tuple[str, ...] = ()
 
+    def engine_args_for(self, requested_block_size: int = DEFAULT_BLOCK_SIZE, saves: bool = False) -> tuple[str, ...]:
+        """Every flag an engine of this preset gets; ``saves``: the engine publishes KV (a producer).
+
+        On a Mamba hybrid, vLLM keeps (and offers a connector) a state only at the boundaries it
+        retains: ``--prefix-cache-retention-interval <block>`` retains one at every block boundary, so a
+        prompt sharing only the first blocks of a stored one still hits.
+
+        Not given: ``--prefix-match-unit 1``, with which a producer's prefill ends a step one token short
+        of the prompt and vLLM offers that state too (what the same prompt sent on unchanged needs). It
+        moves the state after the whole prompt out of the block that holds it otherwise, and the exact
+        block vLLM then offers for it comes a step later or at the request's end: not handled yet."""
+        del saves  # the same flags for every engine until the state one token short is handled
+        if not self.is_hybrid:
+            return self.engine_args
+        every_block = str(self.kv_block_size_for(requested_block_size))
+        return self.engine_args + ("--prefix-cache-retention-interval", every_block)
+
     @property
     def config_overrides(self) -> dict[str, Any]:
         """``hf_config`` as keyword arguments (tuples back to lists)."""

@@ -70,6 +70,7 @@ class ServePairConfig(BaseModel):
     # What a model preset needs (kvtool/model.py): extra vLLM flags, and the KV block size the engines
     # end up with when vLLM raises --block-size (a Mamba hybrid aligns it to its state page).
     engine_args: tuple[str, ...] = ()
+    saving_engine_args: tuple[str, ...] = ()  # instead of engine_args, for an engine that saves KV
     kv_block_size: int | None = None
 
     @property
@@ -242,8 +243,9 @@ def engine_argv(cfg: ServePairConfig, role: Role, python: str = sys.executable) 
     ]
     if cfg.enforce_eager:
         argv.append("--enforce-eager")
-    argv += cfg.engine_args
     transfer = kv_transfer_config(cfg, role)
+    saves = transfer is not None and kv_role_for(cfg, role) != "kv_consumer"
+    argv += cfg.saving_engine_args if saves and cfg.saving_engine_args else cfg.engine_args
     if transfer is not None:
         argv += ["--kv-transfer-config", json.dumps(transfer, separators=(",", ":"))]
     return argv

@@ -215,14 +215,16 @@ class PairOptions:
         self.check()
         if self.model_size is not None:
             report("--model-size is deprecated; use --model-preset")
-        model, engine_args, kv_block_size = self.model, (), None
+        model, engine_args, saving_engine_args, kv_block_size = self.model, (), (), None
         if model is None:
             from kvtool.model import PRESETS
 
             report(f"no --model given; using the generated {self.preset} model")
             model = ensure_default_model(preset=self.preset)
             preset = PRESETS[self.preset]
-            engine_args, kv_block_size = preset.engine_args, preset.kv_block_size_for(self.block_size)
+            engine_args = preset.engine_args_for(self.block_size)
+            saving_engine_args = preset.engine_args_for(self.block_size, saves=True)
+            kv_block_size = preset.kv_block_size_for(self.block_size)
         try:
             return ServePairConfig(
                 model=model.expanduser().resolve(),
@@ -246,6 +248,7 @@ class PairOptions:
                 startup_timeout_s=self.startup_timeout,
                 fault_control_file=self.fault_control_file.resolve() if self.fault_control_file else None,
                 engine_args=engine_args,
+                saving_engine_args=saving_engine_args,
                 kv_block_size=kv_block_size,
             )
         except ValidationError as exc:

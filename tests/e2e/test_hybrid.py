@@ -95,14 +95,24 @@ def test_the_same_prompt_unchanged_at_the_consumer(hybrid):
     """The disaggregated continuation: the consumer must compute the prompt's last token itself.
 
     Attention groups reuse ``L - 1`` tokens from the objects at ``L``. A Mamba group needs the state
-    after exactly ``L - 1`` tokens, which the producer's save (the state after ``L``) does not hold:
-    no hit on the mamba preset yet (the ``L - 1`` state is open work).
+    after exactly ``L - 1`` tokens, which the producer's prefill does not stop at: the hit falls back to
+    the last block boundary, whose state vLLM retains and the producer saved in the step that
+    computed it (the ``L - 1`` state is open work; see ModelPreset.engine_args_for).
     """
     base = prompt(3011, hybrid["block_size"] + 30)
     produce(hybrid, base)
-    details = consume(hybrid, base)
-    expected = len(base) - 1 if hybrid["preset"] == "swa" else 0
-    assert details.external_hit_tokens == expected, details
+    expected = len(base) - 1 if hybrid["preset"] == "swa" else hybrid["block_size"]
+    assert consume(hybrid, base).external_hit_tokens == expected
+
+
+def test_a_prompt_diverging_after_a_stored_block_reuses_that_block(hybrid):
+    """Every group holds the first block's data at its boundary: the sliding window's blocks, and the
+    Mamba state saved in the step that computed the first block."""
+    block = hybrid["block_size"]
+    base = prompt(3016, 2 * block + 10)
+    produce(hybrid, base)
+    details = consume(hybrid, base[: block + 5] + prompt(3017, 20))
+    assert details.external_hit_tokens == block, details
 
 
 def test_a_corrupted_object_of_one_group_is_a_recompute_and_exact(hybrid):
@@ -125,7 +135,6 @@ def test_a_missing_object_of_one_group_drops_the_hit_consistently(hybrid):
     assert stored, f"no {kind.name.lower()} object of the prompt in any group"
     remove(hybrid, stored[-1])  # one group's object only
     details = consume(hybrid, base + prompt(3015, 5))
-    # Without the state there is no boundary the mamba preset can serve; without one group's tail the
-    # swa preset falls back to the full block every group holds.
-    expected = 0 if hybrid["preset"] == "mamba" else hybrid["block_size"]
-    assert details.external_hit_tokens == expected, details
+    # Without the state at the prompt's end (mamba) or one group's tail (swa), the hit falls back to the
+    # block boundary every group holds: the full block, and on mamba the state saved at that boundary.
+    assert details.external_hit_tokens == hybrid["block_size"], details

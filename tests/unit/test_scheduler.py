@@ -221,3 +221,84 @@ def test_a_request_whose_identity_cannot_be_read_is_neither_looked_up_nor_stored
     assert meta.saves == [] and meta.loads == []
     assert side.take_stats()["requests_unhashable"] == 1
     assert side.request_finished(req)[1]["kvtool"]["lookup"].startswith("not looked up: prompt embeddings")
+
+
+def hybrid_producer(groups):
+    return SchedulerSide(
+        CONFIG, NS, ScriptedStore(), loads_enabled=False, saves_enabled=True, lookup_calls=InlineCalls(), groups=groups
+    )
+
+
+def step(new=(), cached=None, scheduled=None, block_state=None):
+    cached = cached or SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[])
+    return SimpleNamespace(
+        scheduled_new_reqs=list(new),
+        scheduled_cached_reqs=cached,
+        num_scheduled_tokens=scheduled or {},
+        kv_connector_block_state=block_state,
+    )
+
+
+def test_a_hybrid_save_copies_every_group_from_vllms_current_tables_and_never_a_freed_block():
+    from connector.groups import CacheGroup, GroupKind
+
+    groups = (CacheGroup(0, GroupKind.FULL, 32), CacheGroup(1, GroupKind.SLIDING, 32, window=64))
+    side = hybrid_producer(groups)
+    tokens = list(range(100, 300))  # 200 tokens: six blocks and a tail of 8
+    req = request(tokens)
+    side.get_num_new_matched_tokens(req, 0)
+    # The last chunk starts at 160: the sliding group freed blocks 0-2 (tokens < 97 left its window).
+    # The append-only ids the scheduler output carries would still name them.
+    chunk = SimpleNamespace(req_id="r1", block_ids=([1, 2, 3, 4, 5, 6, 7], [11, 12, 13, 14, 15, 16, 17]),
+                            num_computed_tokens=160)  # fmt: skip
+    tables = ([1, 2, 3, 4, 5, 6, 7], [0, 0, 0, 14, 15, 16, 17])
+    state = SimpleNamespace(get_block_ids=lambda req_id: tables, boundary_state_offloads={})
+    (save,) = side.build_connector_meta(step([chunk], scheduled={"r1": 40}, block_state=state)).saves
+    by_group = {g: [(t.block_id, t.kind.value, t.token_end) for t in save.transfers if t.group == g] for g in (0, 1)}
+    assert by_group[0] == [(1, "b", 32), (2, "b", 64), (3, "b", 96), (4, "b", 128), (5, "b", 160), (6, "b", 192),
+                           (7, "t", 200)]  # fmt: skip
+    assert by_group[1] == [(14, "b", 128), (15, "b", 160), (16, "b", 192), (17, "t", 200)]
+    # Put order: block k of every group before block k + 1, tails after blocks.
+    assert [t.token_end for t in save.transfers] == sorted(t.token_end for t in save.transfers)
+
+
+def test_mamba_boundary_states_are_saved_from_the_blocks_vllm_names_in_the_step_that_computes_them():
+    from connector.groups import CacheGroup, GroupKind
+    from connector.keys import KeyKind
+
+    groups = (CacheGroup(0, GroupKind.STATE, 64), CacheGroup(1, GroupKind.FULL, 64))
+    side = SchedulerSide(
+        CONFIG, replace_block_size(NS, 64), ScriptedStore(), loads_enabled=False, saves_enabled=True,
+        lookup_calls=InlineCalls(), groups=groups,
+    )  # fmt: skip
+    tokens = list(range(100, 230))  # 130 tokens: two Mamba blocks and a tail of 2
+    req = request(tokens)
+    side.get_num_new_matched_tokens(req, 0)
+    chunk = SimpleNamespace(req_id="r1", block_ids=([21], [31]), num_computed_tokens=0)
+    state = SimpleNamespace(get_block_ids=lambda _: ([21], [31]), boundary_state_offloads={"r1": [(0, 21, 64)]})
+    first = side.build_connector_meta(step([chunk], scheduled={"r1": 64}, block_state=state))
+    (checkpoint,) = first.saves
+    assert checkpoint.checkpoint and [(t.group, t.kind, t.token_end, t.block_id) for t in checkpoint.transfers] == [
+        (0, KeyKind.STATE, 64, 21)
+    ]
+    # An offer for an attention group, the null block, or a boundary past the prompt is never saved.
+    state.boundary_state_offloads = {"r1": [(1, 31, 128), (0, 0, 128), (0, 23, 400)]}
+    cached = SimpleNamespace(req_ids=["r1"], new_block_ids=[([22], [32])], resumed_req_ids=set(),
+                             num_computed_tokens=[64])  # fmt: skip
+    assert side.build_connector_meta(step(cached=cached, scheduled={"r1": 64}, block_state=state)).saves == []
+    # The step that completes the prompt: every attention block, the tail, and the state after 130 tokens.
+    state.get_block_ids = lambda _: ([21, 22, 23], [31, 32, 33])
+    state.boundary_state_offloads = {"r1": [(0, 22, 128)]}
+    cached = SimpleNamespace(req_ids=["r1"], new_block_ids=[([23], [33])], resumed_req_ids=set(),
+                             num_computed_tokens=[128])  # fmt: skip
+    (save,) = side.build_connector_meta(step(cached=cached, scheduled={"r1": 2}, block_state=state)).saves
+    assert not save.checkpoint
+    assert [(t.group, t.kind.value, t.token_end, t.block_id) for t in save.transfers] == [
+        (1, "b", 64, 31), (1, "b", 128, 32), (1, "t", 130, 33), (0, "s", 130, 23), (0, "s", 128, 22),
+    ]  # fmt: skip
+
+
+def replace_block_size(namespace, block_size):
+    from dataclasses import replace
+
+    return replace(namespace, block_size=block_size)

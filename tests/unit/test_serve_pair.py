@@ -499,3 +499,30 @@ def test_a_fault_plan_reaches_the_connectors_through_their_config_only_when_a_te
     faulty = ServePairConfig(model=tmp_path, log_dir=tmp_path, fault_control_file=tmp_path / "faults.json")
     extra = kv_transfer_config(faulty, "producer")["kv_connector_extra_config"]
     assert extra["fault_control_file"] == str(tmp_path / "faults.json")
+
+
+def test_a_mamba_preset_pair_gets_its_engine_flags_and_the_engines_block_size(tmp_path, monkeypatch):
+    from kvtool.commands.options import PairOptions
+
+    monkeypatch.setattr("kvtool.model.ensure_default_model", lambda preset: tmp_path / preset)
+    cfg = PairOptions(model_preset="mamba", log_dir=tmp_path).config(report=lambda _: None)
+    producer, consumer = engine_argv(cfg, "producer"), engine_argv(cfg, "consumer")
+    for argv in (producer, consumer):
+        assert (
+            flag_value(argv, "--mamba-cache-mode") == "align" and flag_value(argv, "--max-num-batched-tokens") == "64"
+        )
+        assert flag_value(argv, "--prefix-cache-retention-interval") == "64"  # a state at every block boundary
+        assert flag_value(argv, "--block-size") == "32"  # vLLM raises it to 64 itself
+    assert "--prefix-match-unit" not in producer + consumer  # see ModelPreset.engine_args_for
+    assert ready_info(cfg, {}, None)["block_size"] == 64
+
+
+def test_plain_presets_add_no_engine_flags(tmp_path, monkeypatch):
+    from kvtool.commands.options import PairOptions
+
+    monkeypatch.setattr("kvtool.model.ensure_default_model", lambda preset: tmp_path / preset)
+    for preset in ("tiny", "swa"):
+        cfg = PairOptions(model_preset=preset, log_dir=tmp_path).config(report=lambda _: None)
+        argv = engine_argv(cfg, "producer")
+        assert "--prefix-match-unit" not in argv and "--mamba-cache-mode" not in argv
+        assert ready_info(cfg, {}, None)["block_size"] == 32
