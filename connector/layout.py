@@ -57,6 +57,16 @@ def engine_layout(
     if any(not getattr(g, "enable_kv_transfer", True) or getattr(g, "is_eagle_group", False) for g in specs):
         raise UnsupportedLayout("draft-model (EAGLE/MTP) or non-transferable KV cache groups are not supported yet")
     groups = tuple(_group_kind(index, group) for index, group in enumerate(specs))
+    if any(group.kind is GroupKind.STATE for group in groups):
+        cache = vllm_config.cache_config
+        mode = getattr(cache, "mamba_cache_mode", None)
+        if mode != "align":
+            # Only align mode keeps a state per block boundary, in the block of its last token.
+            raise UnsupportedLayout(f"Mamba cache mode {mode!r} (kvtool needs --mamba-cache-mode align)")
+        unit = getattr(cache, "prefix_match_unit", None)
+        if unit is not None and unit < min(group.block_size for group in groups):
+            # Sub-block matching moves the state after a prompt out of the block it is read from.
+            raise UnsupportedLayout(f"--prefix-match-unit {unit} below the block size on a Mamba model")
     block_sizes = {group.block_size for group in groups}
     if len(block_sizes) != 1:
         raise UnsupportedLayout(f"KV cache groups of different block sizes ({sorted(block_sizes)})")

@@ -194,7 +194,12 @@ class SchedulerSide:
             ids = block_ids[obj.group] if obj.group < len(block_ids) else []
             block_id = ids[obj.block_index] if obj.block_index < len(ids) else NULL_BLOCK_ID
             if block_id == NULL_BLOCK_ID:
-                continue  # a block the group does not keep (outside a sliding window): nothing to fill
+                if self._groups[obj.group].kind is GroupKind.SLIDING:
+                    continue  # a block the window left: vLLM does not attend it, nothing to fill
+                # Any other group must get its block, or vLLM would compute on bytes nobody filled.
+                self._warn_once("no-block", "kvtool: vLLM gave a hit no block for a group's object; recomputing")
+                self._pending_loads.append(RequestLoad(request.request_id, (), failure="no block for an object"))
+                return
             transfers.append(
                 BlockTransfer(block_id, obj.kind, obj.token_start, obj.token_end, obj.chain_hash, obj.group)
             )

@@ -494,3 +494,32 @@ def test_real_vllm_requests_carry_embeddings_where_we_read_them():
     assert len({root(r) for r in (text, only_embeds, mixed)}) == 3
     assert root(mixed) != root(same_ids)
     assert root(text) == root(same_ids) == RequestIdentity().root_hash()  # text: today's root, tokens apart
+
+
+def test_hybrid_layouts_name_their_groups_and_refuse_what_they_cannot_load_exactly():
+    import pytest
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+
+    from connector.groups import GroupKind
+    from connector.layout import UnsupportedLayout, engine_layout
+
+    full = FullAttentionSpec(block_size=64, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    mamba = MambaSpec(block_size=64, shapes=((3, 288), (8, 32, 16)), dtypes=(torch.float32, torch.float32))
+    window = SlidingWindowSpec(block_size=64, num_kv_heads=2, head_size=32, dtype=torch.float32, sliding_window=64)
+
+    def layout(specs, **cache):
+        cfg = vllm_config(cache=cache)
+        cfg.parallel_config = SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1)
+        groups = [SimpleNamespace(kv_cache_spec=s, layer_names=[f"l{i}"]) for i, s in enumerate(specs)]
+        return engine_layout(cfg, SimpleNamespace(kv_cache_groups=groups, kv_cache_layout=None), None, "")
+
+    hybrid = layout([mamba, full], mamba_cache_mode="align")
+    assert [g.kind for g in hybrid.groups] == [GroupKind.STATE, GroupKind.FULL]
+    assert hybrid.namespace.cache_groups.startswith("state:64;full:64|")
+    swa = layout([window, full])
+    assert [(g.kind, g.window) for g in swa.groups] == [(GroupKind.SLIDING, 64), (GroupKind.FULL, None)]
+    assert swa.namespace.key_component() != layout([full]).namespace.key_component()
+    with pytest.raises(UnsupportedLayout, match="align"):
+        layout([mamba, full], mamba_cache_mode="none")
+    with pytest.raises(UnsupportedLayout, match="prefix-match-unit"):
+        layout([mamba, full], mamba_cache_mode="align", prefix_match_unit=1)
