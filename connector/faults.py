@@ -19,7 +19,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from .calls import StoreError
-from .store import KVStore, PutOutcome
+from .backend import KVStore, PutOutcome
 
 _RPC_FAILED = -900
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from .calls import BoundedCalls, StoreError
 from .config import KVToolConfig
-from .store import PutOutcome
+from .backend import PutOutcome
 
 logger = logging.getLogger("vllm.kvtool")
 

@@ -13,37 +13,14 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from enum import Enum
-from typing import Protocol
 
 from .calls import BoundedCalls, StoreError
+from .backend import KVStore, PutOutcome
 from .config import KVToolConfig
 
 __all__ = ["BACKENDS", "KVStore", "PutOutcome", "SharedStore", "StoreError", "TimedStore", "open_store"]
 
 logger = logging.getLogger("vllm.kvtool")
-
-
-class PutOutcome(str, Enum):
-    STORED = "stored"
-    NO_SPACE = "no_space"
-    FAILED = "failed"
-
-
-class KVStore(Protocol):
-    def exists(self, keys: Sequence[str]) -> list[bool]: ...
-
-    def get(self, keys: Sequence[str], object_bytes: int = 0) -> list[bytes | None]:
-        """Objects for ``keys``; None where the key is missing or its transfer failed.
-
-        ``object_bytes`` (the expected size of each) lets the store split a large batch."""
-        ...
-
-    def put(self, key: str, value: bytes) -> PutOutcome: ...
-
-    def remove(self, key: str) -> int: ...
-
-    def close(self) -> None: ...
 
 
 class TimedStore:
