@@ -43,6 +43,9 @@ class ConnectorProfile:
     mooncake_config_file: bool  # reads its Mooncake settings from MOONCAKE_CONFIG_PATH
     color: tuple[int, int, int]
     _transfer: Callable[[TransferSettings], dict[str, Any] | None]
+    # vLLM flags its engines get on a model with Mamba state groups (the in-tree store connector's own
+    # sub-block hits need sub-block prefix matching; kvtool refuses it, see connector/layout.py).
+    state_model_args: tuple[str, ...] = ()
 
     def kv_transfer_config(self, settings: TransferSettings) -> dict[str, Any] | None:
         return self._transfer(settings)
@@ -88,7 +91,14 @@ def _vllm_store_transfer(settings: TransferSettings) -> dict[str, Any]:
 PROFILES: dict[str, ConnectorProfile] = {
     "kvtool": ConnectorProfile("kvtool", True, "signal", "request_log", False, (31, 119, 180), _kvtool_transfer),
     "vllm-mooncake-store": ConnectorProfile(
-        "vllm-mooncake-store", True, "key_count", "usage", True, (255, 127, 14), _vllm_store_transfer
+        "vllm-mooncake-store",
+        True,
+        "key_count",
+        "usage",
+        True,
+        (255, 127, 14),
+        _vllm_store_transfer,
+        state_model_args=("--prefix-match-unit", "1"),
     ),
     "none": ConnectorProfile("none", False, "none", "usage", False, (44, 160, 44), lambda _settings: None),
 }

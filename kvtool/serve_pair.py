@@ -72,6 +72,7 @@ class ServePairConfig(BaseModel):
     engine_args: tuple[str, ...] = ()
     saving_engine_args: tuple[str, ...] = ()  # instead of engine_args, for an engine that saves KV
     kv_block_size: int | None = None
+    state_model: bool = False  # the model has Mamba state groups (the connector profile may add flags)
 
     @property
     def effective_block_size(self) -> int:
@@ -246,6 +247,8 @@ def engine_argv(cfg: ServePairConfig, role: Role, python: str = sys.executable) 
     transfer = kv_transfer_config(cfg, role)
     saves = transfer is not None and kv_role_for(cfg, role) != "kv_consumer"
     argv += cfg.saving_engine_args if saves and cfg.saving_engine_args else cfg.engine_args
+    if cfg.state_model:
+        argv += cfg.profile.state_model_args
     if transfer is not None:
         argv += ["--kv-transfer-config", json.dumps(transfer, separators=(",", ":"))]
     return argv

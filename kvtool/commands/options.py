@@ -215,7 +215,7 @@ class PairOptions:
         self.check()
         if self.model_size is not None:
             report("--model-size is deprecated; use --model-preset")
-        model, engine_args, saving_engine_args, kv_block_size = self.model, (), (), None
+        model, engine_args, saving_engine_args, kv_block_size, state_model = self.model, (), (), None, False
         if model is None:
             from kvtool.model import PRESETS
 
@@ -225,6 +225,7 @@ class PairOptions:
             engine_args = preset.engine_args_for(self.block_size)
             saving_engine_args = preset.engine_args_for(self.block_size, saves=True)
             kv_block_size = preset.kv_block_size_for(self.block_size)
+            state_model = preset.is_hybrid
         try:
             return ServePairConfig(
                 model=model.expanduser().resolve(),
@@ -250,6 +251,7 @@ class PairOptions:
                 engine_args=engine_args,
                 saving_engine_args=saving_engine_args,
                 kv_block_size=kv_block_size,
+                state_model=state_model,
             )
         except ValidationError as exc:
             first = exc.errors()[0]

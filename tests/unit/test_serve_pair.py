@@ -514,6 +514,8 @@ def test_a_mamba_preset_pair_gets_its_engine_flags_and_the_engines_block_size(tm
         assert flag_value(argv, "--prefix-cache-retention-interval") == "64"  # a state at every block boundary
         assert flag_value(argv, "--block-size") == "32"  # vLLM raises it to 64 itself
     assert "--prefix-match-unit" not in producer + consumer  # see ModelPreset.engine_args_for
+    in_tree = cfg.model_copy(update={"connector": "vllm-mooncake-store"})
+    assert flag_value(engine_argv(in_tree, "consumer"), "--prefix-match-unit") == "1"  # its own sub-block hits
     assert ready_info(cfg, {}, None)["block_size"] == 64
 
 
