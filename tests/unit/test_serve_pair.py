@@ -336,18 +336,10 @@ def test_cli_port_in_use_is_one_line(tmp_path, model_dir):
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         port = holder.getsockname()[1]
-        result = runner.invoke(
-            app,
-            [
-                "serve-pair",
-                "--model",
-                str(model_dir),
-                "--consumer-port",
-                str(port),
-                "--log-dir",
-                str(tmp_path / "l"),
-            ],
-        )
+        # Every other port free too: the defaults may be taken by whatever else runs on the machine.
+        others = [(f"--{flag}-port", str(procs.find_free_port())) for flag in ("producer", "master", "admin", "store")]
+        argv = ["serve-pair", "--model", str(model_dir), "--consumer-port", str(port), "--log-dir", str(tmp_path / "l")]
+        result = runner.invoke(app, argv + [item for pair in others for item in pair])
     assert_one_line_error(result, f"port {port} is already in use", "--consumer-port")
 
 
