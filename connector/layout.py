@@ -57,6 +57,13 @@ def engine_layout(
     if any(not getattr(g, "enable_kv_transfer", True) or getattr(g, "is_eagle_group", False) for g in specs):
         raise UnsupportedLayout("draft-model (EAGLE/MTP) or non-transferable KV cache groups are not supported yet")
     groups = tuple(_group_kind(index, group) for index, group in enumerate(specs))
+    for group, spec in zip(groups, (g.kv_cache_spec for g in specs), strict=True):
+        # Speculative decoding keeps extra blocks below a window, or moves a Mamba state to another
+        # block: what a hit needs is then not what connector.groups computes. Never guess.
+        if group.kind is GroupKind.SLIDING and getattr(spec, "extra_retained_tokens", 0):
+            raise UnsupportedLayout(f"KV cache group {group.index} keeps blocks below its window (spec decoding)")
+        if group.kind is GroupKind.STATE and getattr(spec, "num_speculative_blocks", 0):
+            raise UnsupportedLayout(f"KV cache group {group.index} has speculative Mamba blocks")
     if any(group.kind is GroupKind.STATE for group in groups):
         cache = vllm_config.cache_config
         mode = getattr(cache, "mamba_cache_mode", None)

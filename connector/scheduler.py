@@ -179,13 +179,14 @@ class SchedulerSide:
             if plan is not None and plan.external_tokens:
                 tracked.lookup = "hit not taken by the scheduler"
             return
-        # The scheduler takes the whole hit or none of it (vLLM 0.32). Attention objects cover whole
-        # blocks, so a shorter grant would still load correct bytes for what it claims; a state holds
-        # for exactly the planned boundary, so with a state group any other grant fails the load.
+        # The scheduler takes the whole hit or none of it (vLLM 0.32, but for one model's bounded
+        # replay). Full-attention objects cover whole blocks, so a shorter grant still loads correct
+        # bytes for what it claims; a state holds for exactly the planned boundary, and a window for a
+        # shorter hit starts at other blocks: with any other group, any other grant fails the load.
         end_block = (plan.local_tokens + num_external_tokens - 1) // self._block_size
-        if num_external_tokens != plan.external_tokens and any(o.kind is KeyKind.STATE for o in plan.objects):
-            self._warn_once("grant", "kvtool: the scheduler granted part of a hit on a state group; recomputing")
-            self._pending_loads.append(RequestLoad(request.request_id, (), failure="partial grant of a state hit"))
+        if num_external_tokens != plan.external_tokens and any(g.kind is not GroupKind.FULL for g in self._groups):
+            self._warn_once("grant", "kvtool: the scheduler granted part of a hybrid model's hit; recomputing")
+            self._pending_loads.append(RequestLoad(request.request_id, (), failure="partial grant of a hybrid hit"))
             return
         transfers = []
         for obj in plan.objects:
@@ -328,6 +329,8 @@ class SchedulerSide:
         """The block a save object is copied from, or None when the request no longer holds it."""
         tables = self._current_tables(tracked.request.request_id) if self._current_tables is not None else None
         if tables is None:
+            if self._groups[save.group].kind is not GroupKind.FULL:
+                return None  # only full attention's table only grows; another group's mirror may be stale
             tables = tracked.block_ids
         ids = tables[save.group] if save.group < len(tables) else []
         if save.block_index >= len(ids) or ids[save.block_index] == NULL_BLOCK_ID:

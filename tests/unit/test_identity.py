@@ -523,3 +523,20 @@ def test_hybrid_layouts_name_their_groups_and_refuse_what_they_cannot_load_exact
         layout([mamba, full], mamba_cache_mode="none")
     with pytest.raises(UnsupportedLayout, match="prefix-match-unit"):
         layout([mamba, full], mamba_cache_mode="align", prefix_match_unit=1)
+
+
+def test_speculative_layouts_are_refused_on_hybrid_groups():
+    import pytest
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    from connector.layout import UnsupportedLayout, engine_layout
+
+    full = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    window = SlidingWindowSpec(
+        block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32, sliding_window=64, extra_retained_tokens=2
+    )
+    cfg = vllm_config()
+    cfg.parallel_config = SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1)
+    groups = [SimpleNamespace(kv_cache_spec=s, layer_names=[f"l{i}"]) for i, s in enumerate([window, full])]
+    with pytest.raises(UnsupportedLayout, match="below its window"):
+        engine_layout(cfg, SimpleNamespace(kv_cache_groups=groups, kv_cache_layout=None), None, "")

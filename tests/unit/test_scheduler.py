@@ -320,3 +320,33 @@ def test_a_hit_whose_state_group_got_no_block_fails_instead_of_computing_on_unfi
     side.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([0, 0, 0], [10, 11, 12])), 85)
     (load,) = side.build_connector_meta(EMPTY_STEP).loads
     assert load.transfers == () and load.failure
+
+
+def test_without_vllms_current_tables_only_full_attention_blocks_are_saved():
+    from connector.groups import CacheGroup, GroupKind
+
+    groups = (CacheGroup(0, GroupKind.FULL, 32), CacheGroup(1, GroupKind.SLIDING, 32, window=64))
+    side = hybrid_producer(groups)
+    req = request(list(range(100, 185)))
+    side.get_num_new_matched_tokens(req, 0)
+    chunk = SimpleNamespace(req_id="r1", block_ids=([1, 2, 3], [11, 12, 13]), num_computed_tokens=0)
+    (save,) = side.build_connector_meta(step([chunk], scheduled={"r1": 85}, block_state=None)).saves
+    assert {t.group for t in save.transfers} == {0}
+
+
+def test_a_partial_grant_of_a_hybrid_hit_fails_its_load():
+    from connector.groups import CacheGroup, GroupKind
+
+    groups = (CacheGroup(0, GroupKind.FULL, 32), CacheGroup(1, GroupKind.SLIDING, 32, window=64))
+    store = ScriptedStore()
+    keys = PromptKeys.build(PROMPT, 32, 1, NS.key_component(), RequestIdentity().root_hash(), groups)
+    for save in plan_save(keys):
+        store.objects[save.key] = b"object"
+    side = SchedulerSide(
+        CONFIG, NS, store, loads_enabled=True, saves_enabled=False, lookup_calls=InlineCalls(), groups=groups
+    )
+    req = request(PROMPT + [1, 2])
+    assert lookup(side, req) == (85, True)
+    side.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([10, 11, 12], [20, 21, 22])), 64)
+    (load,) = side.build_connector_meta(EMPTY_STEP).loads
+    assert load.transfers == () and load.failure
