@@ -68,6 +68,3 @@ def describe_groups(groups: tuple[CacheGroup, ...]) -> str:
     if len(groups) == 1 and groups[0].kind is GroupKind.FULL:
         return ""
     return ";".join(group.describe() for group in groups)
-
-
-SINGLE_FULL = (CacheGroup(0, GroupKind.FULL, 1),)  # a placeholder layout: one plain attention group

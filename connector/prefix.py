@@ -8,7 +8,7 @@ holds what it needs for it, and a load reads each group's objects into that grou
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .groups import CacheGroup, GroupKind
 from .hashing import block_hashes, save_tail_boundary, tail_boundaries, tail_hash
@@ -46,6 +46,8 @@ class PromptKeys:
     root: bytes
     block_chain: tuple[bytes, ...]
     groups: tuple[CacheGroup, ...]
+    # Tail hashes already computed: a lookup asks for the same ones in every group and candidate.
+    _tails: dict[int, bytes] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def build(
@@ -75,10 +77,14 @@ class PromptKeys:
         """The chain value after ``end`` tokens: a block's when ``end`` is block-aligned, else a tail's."""
         if end % self.block_size == 0:
             return self.block_chain[end // self.block_size - 1]
-        return tail_hash(self.tokens, end, self.block_size, self.parent_of_block(end // self.block_size))
+        return self.tail_hash(end)
 
     def tail_hash(self, boundary: int) -> bytes:
-        return tail_hash(self.tokens, boundary, self.block_size, self.parent_of_block(boundary // self.block_size))
+        digest = self._tails.get(boundary)
+        if digest is None:
+            parent = self.parent_of_block(boundary // self.block_size)
+            digest = self._tails[boundary] = tail_hash(self.tokens, boundary, self.block_size, parent)
+        return digest
 
     def block_ref(self, index: int, group: int = 0) -> ObjectRef:
         start, end = index * self.block_size, (index + 1) * self.block_size
@@ -206,8 +212,20 @@ def _first_round_ends(keys: PromptKeys) -> list[int]:
     return sorted(ends)
 
 
-def _best(keys: PromptKeys, ends: Sequence[int], present: frozenset[str], limit: int) -> int:
-    return max((end for end in ends if end <= limit and keys.serves(end, present)), default=0)
+def _chain_blocks(keys: PromptKeys, ends: Sequence[int], present: frozenset[str]) -> int:
+    """How many leading blocks are stored: where a stored shorter prompt may end, inside the next one.
+
+    Counted on the full-attention groups, which keep every block (a state group holds states at a
+    few boundaries only, a sliding window only its window); without one, at the longest block
+    boundary every group serves."""
+    full = [group.index for group in keys.groups if group.kind is GroupKind.FULL]
+    if not full:
+        aligned = [end for end in ends if end % keys.block_size == 0 and keys.serves(end, present)]
+        return max(aligned, default=0) // keys.block_size
+    count = 0
+    while count < keys.num_full_blocks and all(keys.block_key(count, group) in present for group in full):
+        count += 1
+    return count
 
 
 def find_stored_prefixes(prompts: Sequence[PromptKeys], exists: ExistsFn) -> list[StoredPrefix]:
@@ -226,8 +244,7 @@ def find_stored_prefixes(prompts: Sequence[PromptKeys], exists: ExistsFn) -> lis
     inner_ends: list[list[int]] = []
     for keys, ends, found in zip(prompts, first_ends, present, strict=True):
         length = len(keys.tokens)
-        aligned = [end for end in ends if end % keys.block_size == 0]
-        block = _best(keys, aligned, found, length) // keys.block_size  # where the stored boundaries stop
+        block = _chain_blocks(keys, ends, found)
         inner_ends.append([] if block == length // keys.block_size else keys.tail_candidates(block))
     second_refs = [keys.probe_refs(ends, blocks=False) for keys, ends in zip(prompts, inner_ends, strict=True)]
     asked_twice = any(second_refs)
@@ -237,12 +254,12 @@ def find_stored_prefixes(prompts: Sequence[PromptKeys], exists: ExistsFn) -> lis
     for keys, ends, inner, found, found_inner in zip(prompts, first_ends, inner_ends, present, more, strict=True):
         known = found | found_inner
         length = len(keys.tokens)
-        candidates = [*ends, *inner, *([length - 1] if length > 1 else [])]
+        served = [end for end in {*ends, *inner, length, length - 1} if end > 0 and keys.serves(end, known)]
         results.append(
             StoredPrefix(
                 keys.block_size,
-                tokens=_best(keys, [*candidates, length], known, length),
-                hit_tokens=_best(keys, candidates, known, length - 1),
+                tokens=max(served, default=0),
+                hit_tokens=max((end for end in served if end < length), default=0),
                 present=known,
                 queries=2 if inner else 1,
             )
@@ -306,8 +323,3 @@ def plan_save(keys: PromptKeys) -> list[ObjectRef]:
             tails.append(keys.tail_ref(boundary, group.index))
     blocks.sort(key=lambda ref: (ref.block_index, ref.group))
     return blocks + tails + states
-
-
-# Names kept for readers of older code: a load's and a save's objects are the same kind of reference.
-ObjectLoad = ObjectRef
-ObjectSave = ObjectRef

@@ -111,6 +111,16 @@ def test_a_state_group_hits_only_where_a_state_was_saved():
     assert stored.tokens == 85 and stored.hit_tokens == 0 and plan.external_tokens == 0
 
 
+def test_a_state_inside_an_earlier_block_is_found_by_the_second_query():
+    """The stored prompt ends blocks before the new one does: its blocks stop there, and the second
+    query finds the state at its end although no block boundary has a state."""
+    store = KeySet()
+    base = tokens(30, 150)
+    store.publish(base, MAMBA)
+    stored, plan = lookup(store, base + tokens(31, 100), MAMBA)
+    assert stored.queries == 2 and stored.hit_tokens == 150 and plan.external_tokens == 150
+
+
 def test_without_its_state_the_attention_blocks_are_no_hit():
     store = KeySet()
     base = tokens(11, 85)
@@ -161,6 +171,8 @@ def test_a_hit_never_claims_an_unstored_token_and_every_group_serves_it(length, 
     if layout != "mamba":  # attention only: the longest stored boundary the prompts share is reused
         boundaries = [b for b in [*range(B, length + 1, B), length] if b <= shared]
         assert hit == max(boundaries, default=0)
+    else:  # a state only after the whole stored prompt: all of it, or nothing
+        assert hit == (length if length <= shared else 0)
 
 
 def test_group_descriptions_name_the_layout_and_plain_models_keep_none():
