@@ -307,16 +307,7 @@ def replace_block_size(namespace, block_size):
 def test_a_hit_whose_state_group_got_no_block_fails_instead_of_computing_on_unfilled_bytes():
     from connector.groups import CacheGroup, GroupKind
 
-    groups = (CacheGroup(0, GroupKind.STATE, 32), CacheGroup(1, GroupKind.FULL, 32))
-    store = ScriptedStore()
-    keys = PromptKeys.build(PROMPT, 32, 1, NS.key_component(), RequestIdentity().root_hash(), groups)
-    for save in plan_save(keys):
-        store.objects[save.key] = b"object"
-    side = SchedulerSide(
-        CONFIG, NS, store, loads_enabled=True, saves_enabled=False, lookup_calls=InlineCalls(), groups=groups
-    )
-    req = request(PROMPT + [1, 2])
-    assert lookup(side, req) == (85, True)
+    side, req = hybrid_consumer_with_a_hit((CacheGroup(0, GroupKind.STATE, 32), CacheGroup(1, GroupKind.FULL, 32)))
     side.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([0, 0, 0], [10, 11, 12])), 85)
     (load,) = side.build_connector_meta(EMPTY_STEP).loads
     assert load.transfers == () and load.failure
@@ -338,6 +329,14 @@ def test_a_partial_grant_of_a_hybrid_hit_fails_its_load():
     from connector.groups import CacheGroup, GroupKind
 
     groups = (CacheGroup(0, GroupKind.FULL, 32), CacheGroup(1, GroupKind.SLIDING, 32, window=64))
+    side, req = hybrid_consumer_with_a_hit(groups)
+    side.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([10, 11, 12], [20, 21, 22])), 64)
+    (load,) = side.build_connector_meta(EMPTY_STEP).loads
+    assert load.transfers == () and load.failure
+
+
+def hybrid_consumer_with_a_hit(groups):
+    """A consumer of that layout whose lookup for PROMPT + 2 tokens found all of PROMPT stored."""
     store = ScriptedStore()
     keys = PromptKeys.build(PROMPT, 32, 1, NS.key_component(), RequestIdentity().root_hash(), groups)
     for save in plan_save(keys):
@@ -347,6 +346,4 @@ def test_a_partial_grant_of_a_hybrid_hit_fails_its_load():
     )
     req = request(PROMPT + [1, 2])
     assert lookup(side, req) == (85, True)
-    side.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([10, 11, 12], [20, 21, 22])), 64)
-    (load,) = side.build_connector_meta(EMPTY_STEP).loads
-    assert load.transfers == () and load.failure
+    return side, req
