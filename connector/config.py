@@ -47,6 +47,10 @@ class KVToolConfig(BaseModel):
     model_id: str | None = Field(default=None, description="model identity in the namespace; default: served model")
     weights_digest: str = Field(default="", description="optional weights digest folded into the namespace")
 
+    # A decoding engine (kv_consumer or kv_both) also saves, at request end, the KV of prompt + answer:
+    # the blocks not yet stored and the exact tail, so that a chat's next turn reuses the answer too.
+    save_answers: bool = Field(default=False, description="save prompt + generated tokens at request end")
+
     # Observability: one JSON line per finished request with its hit details (for kvtool bench).
     request_log: str | None = Field(default=None, description="path of a JSONL file of per-request hit details")
 

@@ -54,6 +54,7 @@ class KVToolConnector(KVConnectorBase_V1, SupportsHMA):
         self.config = load_config(transfer.kv_connector_extra_config)
         loads_enabled = transfer.kv_role in ("kv_consumer", "kv_both")
         saves_enabled = transfer.kv_role in ("kv_producer", "kv_both")
+        answers_enabled = self.config.save_answers
         if role == KVConnectorRole.SCHEDULER and loads_enabled and transfer.kv_load_failure_policy != "recompute":
             # A failed load must be a miss, never a failed request.
             logger.warning("kvtool: kv_load_failure_policy %r changed to 'recompute'", transfer.kv_load_failure_policy)
@@ -80,10 +81,13 @@ class KVToolConnector(KVConnectorBase_V1, SupportsHMA):
                 self._store,
                 loads_enabled=loads_enabled,
                 saves_enabled=saves_enabled,
+                answers_enabled=answers_enabled,
                 groups=self.layout.groups if self.layout is not None else None,
             )
         else:
-            self._worker = WorkerSide(namespace, self._store, self.config, saves_enabled=saves_enabled)
+            self._worker = WorkerSide(
+                namespace, self._store, self.config, saves_enabled=saves_enabled or answers_enabled
+            )
 
     def _open_store(self, role: KVConnectorRole) -> GuardedStore | None:
         # Only the worker lends memory to the store; the scheduler side only asks what exists.
@@ -118,14 +122,15 @@ class KVToolConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
-        return self._scheduler.request_finished(request)
+        return self._scheduler.request_finished(request, (list(block_ids),))
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        # Saves copy their blocks in the step that computes them, so no group's blocks are held here.
+        # A prompt's save copies its blocks in the step that computes them; only an answer save (at
+        # request end) holds the request's blocks, until the worker reports them copied.
         assert self._scheduler is not None
-        return self._scheduler.request_finished(request)
+        return self._scheduler.request_finished(request, tuple(list(ids) for ids in block_ids))
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -166,14 +171,18 @@ class KVToolConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.wait_for_save(meta)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, self.get_transfer_results(finished_req_ids).finished_recving or None
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        """Loads that ended this step; failed ones are failed receives, which vLLM recomputes whole."""
+        """Loads that ended this step (failed ones are failed receives, which vLLM recomputes whole),
+        and finished requests whose answer save copied their blocks (vLLM frees them)."""
         if self._worker is None:
             return KVConnectorTransferResults()
         received, failed = self._worker.get_finished()
-        return KVConnectorTransferResults(finished_recving=received, failed_recving=failed)
+        return KVConnectorTransferResults(
+            finished_sending=self._worker.take_sent(), finished_recving=received, failed_recving=failed
+        )
 
     def build_connector_worker_meta(self) -> KVToolWorkerMeta | None:
         return self._worker.take_load_failures() if self._worker is not None else None

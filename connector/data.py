@@ -50,6 +50,19 @@ class RequestSave:
     # A state checkpoint (a Mamba group's state at a boundary inside the prompt, saved in the step that
     # computed it): its objects are put like any save's, but it writes no watermark records.
     checkpoint: bool = False
+    # A decoding engine's save of prompt + answer at request end: vLLM holds the request's blocks until
+    # the worker reports it in ``finished_sending``, which it does once it copied them (or gave up).
+    # Its watermark records are the request's ``answer_watermark_id``.
+    answer: bool = False
+
+    @property
+    def watermark_id(self) -> str:
+        return answer_watermark_id(self.req_id) if self.answer else self.req_id
+
+
+def answer_watermark_id(req_id: str) -> str:
+    """The id an answer save's watermark records are keyed by (the prompt's save has the request's)."""
+    return f"{req_id}#answer"
 
 
 @dataclass

@@ -27,6 +27,12 @@ class HitDetails:
     save_last_key: str | None = None  # puts run in order: once it is stored, every put was tried
     watermark_key: str | None = None  # written after every put of the save: the save ended
     namespace: str = ""
+    # A decoding engine's save of prompt + answer at request end (``save_answers``): the tokens whose KV
+    # it covers (prompt + generated, less the last generated token, which has no KV), the objects it
+    # copied, and its last key (puts run in order: once that key is stored, every put was tried).
+    answer_tokens: int = 0
+    answer_save_objects: int = 0
+    answer_last_key: str | None = None
     # Only in request-log records: the vLLM request id and the client's kvtool_tag.
     request_id: str | None = None
     tag: str | None = None

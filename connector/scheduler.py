@@ -72,6 +72,10 @@ class _Tracked:
     tail_boundary_saved: int | None = None
     last_saved_key: str | None = None
     load_failure: tuple[int, str] | None = None  # (first token recomputed, cause)
+    saved_keys: frozenset[str] = frozenset()  # every object key of the prompt's own save
+    answer_tokens: int = 0
+    answer_objects: int = 0
+    answer_last_key: str | None = None
 
 
 class SchedulerSide:
@@ -83,6 +87,7 @@ class SchedulerSide:
         *,
         loads_enabled: bool,
         saves_enabled: bool,
+        answers_enabled: bool = False,
         lookup_calls: BoundedCalls | None = None,
         groups: tuple[CacheGroup, ...] | None = None,
     ):
@@ -94,6 +99,12 @@ class SchedulerSide:
         self._store = store
         self._loads_enabled = loads_enabled and store is not None
         self._saves_enabled = saves_enabled and store is not None
+        # Answers need a state group's state after the last decoded token, which vLLM's align mode
+        # does not name: a model with a state group saves no answers (its prompts still are saved).
+        self._answers_enabled = (
+            answers_enabled and store is not None and all(g.kind is not GroupKind.STATE for g in self._groups)
+        )
+        self._pending_saves: list[RequestSave] = []  # answer saves, sent with the next step's metadata
         self._tracked: dict[str, _Tracked] = {}
         self._pending_loads: list[RequestLoad] = []
         self._warned: set[str] = set()
@@ -211,8 +222,8 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVToolMetadata:
         if self._lookups is not None:
             self._lookups.flush()  # this step's lookups, as one batch in the background
-        meta = KVToolMetadata(loads=self._pending_loads)
-        self._pending_loads = []
+        meta = KVToolMetadata(loads=self._pending_loads, saves=self._pending_saves)
+        self._pending_loads, self._pending_saves = [], []
         if not self._saves_enabled:
             return meta
         # vLLM's current block tables (never an append-only mirror: a sliding window or a Mamba group
@@ -291,6 +302,7 @@ class SchedulerSide:
             return
         tracked.save_scheduled = True
         planned = plan_save(tracked.keys)
+        tracked.saved_keys = frozenset(s.key for s in planned)
         present = self._known_present(tracked, planned)
         missing = [s for s, found in zip(planned, present, strict=True) if not found]
         sources = [self._source_block(tracked, s, num_computed) for s in missing]
@@ -324,6 +336,48 @@ class SchedulerSide:
         tracked.last_saved_key = usable[-1][0].key
         tails = [s.token_end for s, _ in usable if s.kind is KeyKind.TAIL]
         tracked.tail_boundary_saved = tails[0] if tails else None
+
+    # -- answers ------------------------------------------------------------------------------------
+
+    def _plan_answer_save(self, tracked: _Tracked, block_ids: tuple[list[int], ...] | None) -> RequestSave | None:
+        """The save of prompt + answer at request end: every object of the tokens whose KV the request
+        computed (the last generated token has none) that is not known stored, from the request's
+        current blocks, which vLLM keeps until the worker has copied them (``finished_sending``).
+
+        Decoded KV is what a prefill of the same tokens computes, so the next turn, which extends
+        prompt + answer, hits all of it, on any engine."""
+        request = tracked.request
+        if not self._answers_enabled or tracked.unhashable or block_ids is None:
+            return None
+        if getattr(request, "num_output_tokens", 0) <= 0:
+            return None  # never ran (an abort while waiting for its load): its blocks may hold nothing
+        computed = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
+        done = len(tracked.keys.tokens) if tracked.save_scheduled else 0
+        if computed <= max(done, 1):
+            return None
+        tokens = list(request.all_token_ids)[:computed]
+        keys = PromptKeys.build(tokens, self._block_size, self._config.hash_unit, self._namespace,
+                                tracked.keys.root, self._groups)  # fmt: skip
+        stored = tracked.stored.present if tracked.stored is not None and tracked.load_failure is None else frozenset()
+        known = stored | tracked.saved_keys
+        usable = []
+        for ref in plan_save(keys):
+            ids = block_ids[ref.group] if ref.group < len(block_ids) else []
+            if ref.key in known or ref.block_index >= len(ids) or ids[ref.block_index] == NULL_BLOCK_ID:
+                continue  # stored already, or a block a sliding window gave up
+            usable.append((ref, ids[ref.block_index]))
+        if not usable:
+            return None
+        transfers = tuple(
+            BlockTransfer(block_id, ref.kind, ref.token_start, ref.token_end, ref.chain_hash, ref.group)
+            for ref, block_id in usable
+        )
+        # Put in this order (blocks by position, then tails): once the last key is stored, every put was tried.
+        tracked.answer_tokens, tracked.answer_objects, tracked.answer_last_key = computed, len(usable), usable[-1][0].key
+        self.stats["answer_saves"] += 1
+        params = getattr(request, "kv_transfer_params", None) or {}
+        return RequestSave(request.request_id, transfers, prompt_tokens=computed, tag=params.get("kvtool_tag"),
+                           answer=True)  # fmt: skip
 
     def _source_block(self, tracked: _Tracked, save: ObjectRef, computed_before_step: int) -> int | None:
         """The block a save object is copied from, or None when the request no longer holds it."""
@@ -374,16 +428,23 @@ class SchedulerSide:
                 taken[name] = taken.get(name, 0) + value
         return taken
 
-    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Request, block_ids: tuple[list[int], ...] | None = None
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Report the request's hit details; with answer saves on, plan the save of prompt + answer and
+        hold the request's blocks (True) until the worker has copied them."""
         if self._lookups is not None:
             self._lookups.forget(request.request_id)
         tracked = self._tracked.pop(request.request_id, None)
         if tracked is None:
             return False, None
+        answer = self._plan_answer_save(tracked, block_ids)
+        if answer is not None:
+            self._pending_saves.append(answer)
         details = self.hit_details(tracked)
         if self._request_log is not None:
             self._request_log.write(request, details)
-        return False, {"kvtool": details.to_dict()}
+        return answer is not None, {"kvtool": details.to_dict()}
 
     @staticmethod
     def hit_details(tracked: _Tracked) -> HitDetails:
@@ -414,6 +475,9 @@ class SchedulerSide:
             if tracked.save_objects
             else None,
             namespace=tracked.keys.namespace,
+            answer_tokens=tracked.answer_tokens,
+            answer_save_objects=tracked.answer_objects,
+            answer_last_key=tracked.answer_last_key,
         )
 
     def _warn_once(self, topic: str, message: str) -> None:

@@ -51,6 +51,7 @@ class WorkerSide:
         self._groups: list[list[torch.Tensor]] = []  # per KV cache group: its layers' cache tensors
         self._group_bytes: list[int] = []  # per group: bytes of one block across its layers
         self._load_failures: dict[str, tuple[int, str]] = {}
+        self._sent: set[str] = set()
         self.stats: Counter[str] = Counter()
         self._stats_lock = threading.Lock()
         self._warned: set[str] = set()
@@ -176,10 +177,18 @@ class WorkerSide:
     # -- saves --------------------------------------------------------------------------------------
 
     def wait_for_save(self, meta: KVToolMetadata) -> None:
+        # An answer save's blocks are held by vLLM until it is reported sent: report it whatever
+        # happens to its copy (made here, skipped, or impossible), or they would never be freed.
+        self._sent.update(save.req_id for save in meta.saves if save.answer)
         if self._saver is None or not self.ready:
             return
         for save in meta.saves:
             self._snapshot(save)
+
+    def take_sent(self) -> set[str]:
+        """Answer saves whose blocks were copied (or given up) since the last step: vLLM frees them."""
+        sent, self._sent = self._sent, set()
+        return sent
 
     def _snapshot(self, save: RequestSave) -> None:
         """Copy the save's blocks (as many leading ones as the budget allows) and queue their puts."""
@@ -197,7 +206,7 @@ class WorkerSide:
             ObjectCopy(number, self._key(transfer), encode_object(self._header(transfer), self._read_block(transfer)))
             for number, transfer in enumerate(save.transfers[:fits])
         ]
-        job = SaveJob(save, copies, lambda seq: watermark_key(self._ns_key, save.req_id, seq))
+        job = SaveJob(save, copies, lambda seq: watermark_key(self._ns_key, save.watermark_id, seq))
         self._saver.submit(job, sum(sizes[:fits]))
 
     def _read_block(self, transfer: BlockTransfer) -> bytes:

@@ -32,6 +32,7 @@ class TransferSettings:
     local_buffer_bytes: int
     request_log: Path | None
     extra: dict[str, Any] | None = None  # further fields of the kvtool connector's config (tests)
+    save_answers: bool = False  # the engine also saves prompt + answer at request end (roles both)
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,8 @@ def kvtool_extra_config(settings: TransferSettings) -> dict[str, Any]:
     }
     if settings.request_log is not None:
         extra["request_log"] = str(settings.request_log)
+    if settings.save_answers:
+        extra["save_answers"] = True
     extra.update(settings.extra or {})
     return extra
 
@@ -81,11 +84,14 @@ def _kvtool_transfer(settings: TransferSettings) -> dict[str, Any]:
 
 
 def _vllm_store_transfer(settings: TransferSettings) -> dict[str, Any]:
-    return {
+    config: dict[str, Any] = {
         "kv_connector": VLLM_STORE_CONNECTOR_CLASS,
         "kv_role": settings.kv_role,
         "kv_load_failure_policy": "recompute",
     }
+    if settings.save_answers:  # its own decode-side saves (whole blocks only)
+        config["kv_connector_extra_config"] = {"save_decode_cache": True}
+    return config
 
 
 PROFILES: dict[str, ConnectorProfile] = {

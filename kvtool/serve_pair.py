@@ -167,6 +167,8 @@ def kv_transfer_config(cfg: ServePairConfig, role: Role) -> dict[str, Any] | Non
         cfg.local_buffer_bytes,
         request_log_path(cfg, role),
         {"fault_control_file": str(cfg.fault_control_file)} if cfg.fault_control_file else None,
+        # With roles "both" the decoding engine saves its answers, so a chat's next turn reuses them.
+        save_answers=cfg.roles == "both",
     )
     return cfg.profile.kv_transfer_config(settings)
 

@@ -166,7 +166,8 @@ class PairOptions:
         str,
         _pair(
             "pd: the producer saves (kv_producer) and the consumer loads (kv_consumer); both: each engine "
-            "loads and saves (kv_both). Needs a connector (kvtool or vllm-mooncake-store)"
+            "loads and saves (kv_both), and saves its answers at request end. Needs a connector (kvtool or "
+            "vllm-mooncake-store)"
         ),
     ] = "pd"
     log_dir: Annotated[

@@ -59,12 +59,13 @@ _start_failures: dict[str, str] = {}
 
 
 @contextlib.contextmanager
-def running_pair(workdir: Path, preset: str = "tiny") -> Iterator[dict[str, Any]]:
+def running_pair(workdir: Path, preset: str = "tiny", roles: str = "pd") -> Iterator[dict[str, Any]]:
     """A serve-pair on free ports for ``preset``'s generated model, until the block ends: its parsed
     ready file (kvtool/ready.py), as first written, plus ``ready_file`` (serve-pair rewrites it when it
     restarts the master) and ``fault_control_file``."""
-    if preset in _start_failures:
-        pytest.fail(f"serve-pair failed to start earlier in this session:\n{_start_failures[preset]}", pytrace=False)
+    name = f"{preset}/{roles}"
+    if name in _start_failures:
+        pytest.fail(f"serve-pair failed to start earlier in this session:\n{_start_failures[name]}", pytrace=False)
     ready_file = workdir / "ready.json"
     log_dir = workdir / "logs"
     log_dir.mkdir()
@@ -84,6 +85,8 @@ def running_pair(workdir: Path, preset: str = "tiny") -> Iterator[dict[str, Any]
         os.environ.get("KVTOOL_E2E_CONNECTOR", "kvtool"),
         "--store",
         os.environ.get("KVTOOL_E2E_STORE", "embedded"),
+        "--roles",
+        roles,
     ]
     for flag, port in ports.items():
         argv += [f"--{flag}-port", str(port)]
@@ -104,8 +107,8 @@ def running_pair(workdir: Path, preset: str = "tiny") -> Iterator[dict[str, Any]
             elif time.monotonic() > deadline:
                 problem = f"serve-pair was not ready after {READY_TIMEOUT_S:.0f} s"
             if problem is not None:
-                _start_failures[preset] = f"{problem}\n{_log_tails(log_dir)}"
-                pytest.fail(_start_failures[preset], pytrace=False)
+                _start_failures[name] = f"{problem}\n{_log_tails(log_dir)}"
+                pytest.fail(_start_failures[name], pytrace=False)
             time.sleep(0.5)
         info = read_ready_file(ready_file).to_json()  # the contract serve-pair writes (kvtool/ready.py)
         info["fault_control_file"] = str(fault_control)

@@ -78,12 +78,16 @@ def produce(pair: dict, tokens: list[int], expect_stored: bool = True) -> HitDet
     return details
 
 
-def consume(pair: dict, tokens: list[int]) -> tuple[HitDetails, dict]:
-    extra = {"return_tokens_as_token_ids": True}
-    answer = complete(pair["consumer"], pair["model"], tokens, max_tokens=GENERATE, logprobs=5, extra=extra)
+def consume(
+    pair: dict, tokens: list[int], engine: str = "consumer", max_tokens: int = GENERATE
+) -> tuple[HitDetails, dict]:
+    """Ask ``engine`` and check its answer against a full recomputation; its hit details and response
+    (``choices[0]["token_ids"]``: the generated token ids)."""
+    extra = {"return_tokens_as_token_ids": True, "return_token_ids": True, "ignore_eos": True}
+    answer = complete(pair[engine], pair["model"], tokens, max_tokens=max_tokens, logprobs=5, extra=extra)
     # prompt_logprobs makes vLLM skip every cache for this request: a full recomputation.
     reference = complete(
-        pair["consumer"], pair["model"], tokens, max_tokens=GENERATE, logprobs=5, prompt_logprobs=1, extra=extra
+        pair[engine], pair["model"], tokens, max_tokens=max_tokens, logprobs=5, prompt_logprobs=1, extra=extra
     )
     comparison = compare_answers(answer, reference, TOLERANCE)
     assert comparison.matches, comparison.reason

@@ -96,9 +96,12 @@ def test_roles_both_makes_each_kvtool_engine_kv_both(tmp_path, role):
         "kv_connector_module_path": "connector.connector",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": kvtool_extra_config("127.0.0.1:6000", request_log=request_log_path(cfg, role)),
+        "kv_connector_extra_config": {
+            **kvtool_extra_config("127.0.0.1:6000", request_log=request_log_path(cfg, role)),
+            "save_answers": True,
+        },
     }
-    # Each engine keeps its own request log: both now save and load.
+    # Each engine keeps its own request log: both now save and load, and save their answers.
     assert transfer["kv_connector_extra_config"]["request_log"].endswith(f"{role}-requests.jsonl")
     assert json.loads(flag_value(engine_argv(cfg, role, python="python"), "--kv-transfer-config")) == transfer
 
@@ -117,8 +120,10 @@ def test_roles_with_vllms_store_connector(tmp_path, roles, kv_roles):
     cfg = make_config(tmp_path, connector="vllm-mooncake-store", roles=roles)
     transfers = [kv_transfer_config(cfg, role) for role in ("producer", "consumer")]
     assert [t["kv_role"] for t in transfers] == kv_roles
+    # With roles both it saves its decoded blocks too (whole blocks only), as kvtool saves its answers.
+    extra = {"kv_connector_extra_config": {"save_decode_cache": True}} if roles == "both" else {}
     assert all(
-        t == {"kv_connector": "MooncakeStoreConnector", "kv_role": kv, "kv_load_failure_policy": "recompute"}
+        t == {"kv_connector": "MooncakeStoreConnector", "kv_role": kv, "kv_load_failure_policy": "recompute", **extra}
         for t, kv in zip(transfers, kv_roles, strict=True)
     )
 

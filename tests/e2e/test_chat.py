@@ -1,0 +1,44 @@
+"""A disaggregated chat on a `--roles both` pair: the prefill engine reuses every previous prompt and
+the decoding engine's real answer, to the token, and answers as a recomputation does."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from kvtool.admin import wait_for_key
+
+from .conftest import running_pair
+from .pairtools import consume, prompt, wait_save_ended
+
+pytestmark = pytest.mark.e2e
+
+ANSWER = 20  # generated tokens a turn: the answer ends inside a block, past the prompt's last one
+
+
+@pytest.fixture(scope="module")
+def both_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    """A tiny pair whose engines are both kv_both and save their answers (serve-pair --roles both)."""
+    with running_pair(tmp_path_factory.mktemp("both-pair"), roles="both") as info:
+        yield info
+
+
+def test_a_three_turn_chat_reuses_every_previous_prompt_and_answer_to_the_token(both_pair):
+    turn = prompt(40, 50)
+    computed = 0  # tokens whose KV some engine computed before: the ideal reuse of the next turn
+    for number in range(3):
+        # The prefill engine (max_tokens=1): the previous prompt and the answer the consumer decoded.
+        produced, _ = consume(both_pair, turn, engine="producer", max_tokens=1)
+        assert produced.reused_tokens == computed, f"turn {number}: {produced}"
+        wait_save_ended(both_pair, produced)
+        # The decoding engine: the whole prompt but the token it must compute, then its answer.
+        details, answer = consume(both_pair, turn, max_tokens=ANSWER)
+        assert details.reused_tokens == len(turn) - 1, f"turn {number}: {details}"
+        generated = answer["choices"][0]["token_ids"]
+        assert len(generated) == ANSWER
+        # Its answer save: prompt + answer but the last generated token, which has no KV.
+        assert details.answer_tokens == len(turn) + ANSWER - 1 and details.answer_save_objects > 0
+        assert wait_for_key(both_pair["admin"], details.answer_last_key, 60.0), details.answer_last_key
+        computed = len(turn) + ANSWER - 1
+        turn = turn + generated + prompt(41 + number, 7)

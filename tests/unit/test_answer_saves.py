@@ -1,0 +1,141 @@
+"""Answer saves: a decoding engine saves prompt + answer at request end, holding the request's blocks
+until its worker has copied them, and never holding them when there is nothing to save."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from connector.data import KVToolMetadata, answer_watermark_id
+from connector.groups import CacheGroup, GroupKind
+from connector.hashing import RequestIdentity
+from connector.keys import Namespace, decode_key, request_hash
+from connector.prefix import PromptKeys, find_stored_prefix
+from connector.scheduler import SchedulerSide
+from connector.worker import WorkerSide
+
+from .scripted_store import InlineCalls, ScriptedStore
+from .test_scheduler import CONFIG, NS, PROMPT, allocate, lookup, publish, request, step
+
+ANSWER = list(range(500, 520))  # 20 generated tokens: the last one has no KV when the request ends
+
+
+def decoded(tokens, answer, request_id="r1"):
+    """A request that prefilled ``tokens`` and generated ``answer``, as vLLM holds it when it ends."""
+    return request(
+        tokens,
+        request_id,
+        all_token_ids=list(tokens) + list(answer),
+        num_computed_tokens=len(tokens) + len(answer) - 1,
+        num_output_tokens=len(answer),
+    )
+
+
+def engine(store, *, saves=False, groups=None, namespace=NS):
+    return SchedulerSide(CONFIG, namespace, store, loads_enabled=True, saves_enabled=saves, answers_enabled=True,
+                         lookup_calls=InlineCalls(), groups=groups)  # fmt: skip
+
+
+def keys_of(tokens):
+    return PromptKeys.build(tokens, 32, 1, NS.key_component(), RequestIdentity().root_hash())
+
+
+def test_a_consumer_saves_the_blocks_the_answer_filled_and_its_exact_tail_not_what_it_loaded():
+    store = ScriptedStore()
+    publish(store, PROMPT)  # 85 tokens: blocks 32 and 64, the tail at 85
+    side = engine(store)
+    req = decoded(PROMPT, ANSWER)
+    assert lookup(side, req) == (84, True)
+    allocate(side, req, 84)
+    side.build_connector_meta(step())
+    hold, params = side.request_finished(req, ([10, 11, 12, 13],))
+    assert hold is True  # vLLM keeps the blocks until the worker reports the copy
+    (save,) = side.build_connector_meta(step()).saves
+    assert save.answer and save.prompt_tokens == 104
+    assert [(t.block_id, t.kind.value, t.token_end) for t in save.transfers] == [(12, "b", 96), (13, "t", 104)]
+    details = params["kvtool"]
+    assert (details["answer_tokens"], details["answer_save_objects"]) == (104, 2)
+    assert "/t/104/" in details["answer_last_key"]
+    # Once stored, the next turn (prompt + the whole answer + a new message) finds all of it.
+    for key in (keys_of(PROMPT + ANSWER).block_key(2), details["answer_last_key"]):
+        store.objects[key] = b"object"
+    assert find_stored_prefix(keys_of(PROMPT + ANSWER + [7, 8, 9]), store.exists).hit_tokens == 104
+
+
+def test_a_kv_both_engine_does_not_save_its_prompt_twice():
+    store = ScriptedStore()
+    side = engine(store, saves=True)
+    req = decoded(PROMPT, ANSWER)
+    side.get_num_new_matched_tokens(req, 0)
+    new = SimpleNamespace(req_id="r1", block_ids=([10, 11, 12],), num_computed_tokens=0)
+    cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[])
+    prompt_meta = side.build_connector_meta(
+        SimpleNamespace(scheduled_new_reqs=[new], scheduled_cached_reqs=cached, num_scheduled_tokens={"r1": 85})
+    )
+    assert [t.token_end for t in prompt_meta.saves[0].transfers] == [32, 64, 85]
+    assert side.request_finished(req, ([10, 11, 12, 13],))[0]
+    (answer,) = side.build_connector_meta(step()).saves
+    assert [t.token_end for t in answer.transfers] == [96, 104]
+
+
+def test_nothing_to_save_holds_no_block():
+    store = ScriptedStore()
+    side = engine(store)
+    # Aborted while its load was in flight: no token generated, its blocks may hold nothing.
+    never_ran = request(PROMPT, all_token_ids=PROMPT, num_computed_tokens=0, num_output_tokens=0)
+    side.get_num_new_matched_tokens(never_ran, 0)
+    assert side.request_finished(never_ran, ([10, 11, 12],))[0] is False
+    # One generated token (max_tokens=1) on a consumer: the prompt itself, not yet stored, is the save.
+    one = decoded(PROMPT, [7], "r2")
+    side.get_num_new_matched_tokens(one, 0)
+    assert side.request_finished(one, ([10, 11, 12],))[0] is True
+    # A store that answers nothing at start-up: no answer saves at all.
+    offline = SchedulerSide(CONFIG, NS, None, loads_enabled=True, saves_enabled=False, answers_enabled=True)
+    req = decoded(PROMPT, ANSWER, "r3")
+    offline.get_num_new_matched_tokens(req, 0)
+    assert offline.request_finished(req, ([10, 11, 12, 13],))[0] is False
+
+
+def test_a_model_with_a_state_group_saves_no_answers():
+    groups = (CacheGroup(0, GroupKind.STATE, 32), CacheGroup(1, GroupKind.FULL, 32))
+    side = engine(ScriptedStore(), groups=groups)
+    req = decoded(PROMPT, ANSWER)
+    side.get_num_new_matched_tokens(req, 0)
+    assert side.request_finished(req, ([1, 2, 3, 4], [10, 11, 12, 13]))[0] is False
+
+
+def test_a_sliding_window_answer_skips_the_blocks_its_window_left():
+    groups = (CacheGroup(0, GroupKind.FULL, 32), CacheGroup(1, GroupKind.SLIDING, 32, window=32))
+    side = engine(ScriptedStore(), groups=groups)
+    req = decoded(PROMPT, ANSWER)
+    side.get_num_new_matched_tokens(req, 0)
+    assert side.request_finished(req, ([1, 2, 3, 4], [0, 0, 13, 14]))[0]
+    (save,) = side.build_connector_meta(step()).saves
+    assert [(t.group, t.block_id, t.token_end) for t in save.transfers if t.group == 1] == [(1, 13, 96), (1, 14, 104)]
+
+
+def test_the_worker_reports_an_answer_save_sent_once_it_copied_it_or_could_not():
+    layers = ["model.layers.0.attn"]
+    caches = {name: torch.randn(8, 2, 32, 16) for name in layers}
+    ns = Namespace(model="m", dtype="float32", kv_layout="cpu", block_size=32, num_layers=1, num_kv_heads=2,
+                   head_size=8)  # fmt: skip
+    store = ScriptedStore()
+    side = engine(store, namespace=ns)
+    req = decoded(PROMPT, ANSWER)
+    side.get_num_new_matched_tokens(req, 0)
+    side.request_finished(req, ([1, 2, 3, 4],))
+    meta = side.build_connector_meta(step())
+    worker = WorkerSide(ns, store, CONFIG, saves_enabled=True, load_calls=InlineCalls())
+    worker.register_kv_caches(caches, [layers], 8)
+    worker.wait_for_save(meta)
+    assert worker.take_sent() == {"r1"} and worker.take_sent() == set()
+    worker.shutdown()
+    objects = [decode_key(key) for key in store.objects]
+    assert sorted(o.end_token for o in objects if o.end_token is not None) == [32, 64, 96, 104]
+    # Its watermark records are its own, apart from the prompt save's of the same request.
+    assert {o.request_hash for o in objects if o.request_hash} == {request_hash(answer_watermark_id("r1"))}
+    # A worker that cannot save (no store) still lets vLLM free the blocks.
+    disabled = WorkerSide(ns, None, CONFIG, saves_enabled=True)
+    disabled.wait_for_save(KVToolMetadata(saves=meta.saves))
+    assert disabled.take_sent() == {"r1"}
