@@ -44,6 +44,11 @@ class KVToolConfig(BaseModel):
 
     # Keys and hashing.
     hash_unit: int = Field(default=1, gt=0, description="tail boundary grid, tokens")
+    divergence_grid: int | Literal["auto"] = Field(
+        default="auto",
+        description="pointer grid inside stored objects, tokens: a prompt that leaves a stored one finds "
+        "their common prefix rounded down to it; 0 turns pointers off; auto: see divergence_grid()",
+    )
     model_id: str | None = Field(default=None, description="model identity in the namespace; default: served model")
     weights_digest: str = Field(default="", description="optional weights digest folded into the namespace")
 
@@ -72,6 +77,13 @@ class KVToolConfig(BaseModel):
     )
     shutdown_drain_s: float = Field(default=10.0, ge=0, description="how long shutdown lets queued saves finish")
 
+    @field_validator("divergence_grid")
+    @classmethod
+    def _grid(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 0:
+            raise ValueError("must be 0 (no pointers), a positive number of tokens, or auto")
+        return value
+
     @field_validator("master_server_address")
     @classmethod
     def _host_port(cls, value: str) -> str:
@@ -79,6 +91,19 @@ class KVToolConfig(BaseModel):
         if not sep or not host or not port.isdigit():
             raise ValueError("must be host:port, e.g. 127.0.0.1:50051")
         return value
+
+
+def divergence_grid(config: KVToolConfig, block_size: int) -> int:
+    """The divergence grid in tokens (0: no pointers). ``auto`` is a quarter block: 3 pointer keys per
+    stored block, which is 4 keys in the master where there was 1 (each costs the master about 850
+    bytes of memory whatever the block's size; benchmarks/divergence-index), for divergence points
+    found within block_size / 4 tokens; 1 finds every one exactly, for a key per token."""
+    if config.divergence_grid != "auto":
+        return config.divergence_grid
+    return max(1, block_size // AUTO_POINTERS_GRID_DIVISOR)
+
+
+AUTO_POINTERS_GRID_DIVISOR = 4
 
 
 def load_config(extra_config: dict[str, Any] | None) -> KVToolConfig:

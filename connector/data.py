@@ -19,6 +19,9 @@ class BlockTransfer:
     token_end: int
     chain_hash: bytes
     group: int = 0
+    # A save's pointers to this object, put right after it: (boundary, prefix hash) at every divergence
+    # grid multiple inside it. A load's transfer of kind POINTER reads the pointer, then its object.
+    pointers: tuple[tuple[int, bytes], ...] = ()
 
 
 @dataclass(frozen=True)

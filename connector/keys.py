@@ -3,6 +3,8 @@
     kvtool/2/<namespace>/<group>/b/<end_token>/<chain_hash>   a full block ending at token end_token
     kvtool/2/<namespace>/<group>/t/<boundary>/<chain_hash>    a partial tail ending at token boundary
     kvtool/2/<namespace>/<group>/s/<boundary>/<chain_hash>    a state group's state after boundary tokens
+    kvtool/2/<namespace>/<group>/p/<boundary>/<chain_hash>    a pointer: the block or tail object that holds
+                                                              the KV of the prefix ending at boundary
     kvtool/2/<namespace>/w/<request_hash>/<seq>               a producer's watermark record for one request
 
 ``group`` is the KV cache group (decimal, 0 for a model with one group): a hybrid model's sliding-window,
@@ -71,6 +73,7 @@ class KeyKind(str, Enum):
     BLOCK = "b"
     TAIL = "t"
     STATE = "s"  # a recurrent (Mamba) group's state after end_token tokens
+    POINTER = "p"  # names the stored block or tail that holds a prefix ending inside it (a divergence point)
     WATERMARK = "w"
 
 
@@ -89,7 +92,7 @@ class DecodedKey:
 
 
 _KEY_RE = re.compile(
-    rf"^kvtool/(?P<version>\d+)/(?P<ns>[0-9a-f]{{{NAMESPACE_HEX}}})/(?P<group>\d{{1,3}})/(?P<kind>[bts])/(?P<end>\d+)/"
+    rf"^kvtool/(?P<version>\d+)/(?P<ns>[0-9a-f]{{{NAMESPACE_HEX}}})/(?P<group>\d{{1,3}})/(?P<kind>[btsp])/(?P<end>\d+)/"
     r"(?P<hash>[0-9a-f]{32})$"
 )
 

@@ -153,3 +153,63 @@ def verify_object(data: bytes | memoryview, expected: ObjectHeader) -> memoryvie
     if zlib.crc32(payload) != header.payload_crc:
         raise ObjectRejected("checksum", "payload checksum does not match")
     return payload
+
+
+# -- pointers ----------------------------------------------------------------------------------------
+#
+# A pointer names the stored object that holds the KV of a prefix ending inside it (a divergence point):
+# its key has the prefix's tail hash, its value says which object of the same group to load.
+#
+#   magic "KVP0" | format u16 | namespace fingerprint 16B | chain hash 16B (the pointer's) | group u8 |
+#   boundary u32 | target kind u8 | target token_end u32 | target chain hash 16B
+
+POINTER_MAGIC = b"KVP0"
+_POINTER = struct.Struct("<4sH16s16sBIBI16s")
+POINTER_SIZE = _POINTER.size
+
+
+@dataclass(frozen=True)
+class PointerRecord:
+    namespace_fingerprint: bytes
+    chain_hash: bytes  # the hash of the prefix the pointer stands for (its key's)
+    group: int
+    boundary: int
+    target_kind: KeyKind  # BLOCK or TAIL: an object of the same group, starting at the same block
+    target_end: int
+    target_hash: bytes
+
+
+def encode_pointer(record: PointerRecord) -> bytes:
+    return _POINTER.pack(
+        POINTER_MAGIC,
+        FORMAT_VERSION,
+        record.namespace_fingerprint,
+        record.chain_hash,
+        record.group,
+        record.boundary,
+        _KIND_CODES[record.target_kind],
+        record.target_end,
+        record.target_hash,
+    )
+
+
+def verify_pointer(data: bytes | memoryview, expected: PointerRecord, block_size: int) -> PointerRecord:
+    """Check a stored pointer against the one the reader looked up (``expected``'s target fields are
+    ignored); return it. Its target must be a block or tail of the same block that reaches past it."""
+    if len(data) != POINTER_SIZE:
+        raise ObjectRejected("truncated", f"a pointer is {POINTER_SIZE} bytes, this one {len(data)}")
+    magic, version, ns, chain, group, boundary, kind_code, target_end, target_hash = _POINTER.unpack_from(data)
+    if magic != POINTER_MAGIC or version != FORMAT_VERSION:
+        raise ObjectRejected("foreign", "not a kvtool pointer of this format")
+    if ns != expected.namespace_fingerprint:
+        raise ObjectRejected("namespace", "pointer was written under another namespace")
+    if chain != expected.chain_hash or (group, boundary) != (expected.group, expected.boundary):
+        raise ObjectRejected("hash", "pointer's prefix differs from its key's")
+    kinds = {code: kind for kind, code in _KIND_CODES.items()}
+    kind = kinds.get(kind_code)
+    block_end = (boundary // block_size + 1) * block_size
+    if kind not in (KeyKind.BLOCK, KeyKind.TAIL) or not boundary < target_end <= block_end:
+        raise ObjectRejected("corrupt", f"pointer at {boundary} names {kind} ending at {target_end}")
+    if (kind is KeyKind.BLOCK) != (target_end == block_end):
+        raise ObjectRejected("corrupt", f"pointer names a {kind.name.lower()} ending at {target_end}")
+    return PointerRecord(ns, chain, group, boundary, kind, target_end, target_hash)

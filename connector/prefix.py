@@ -46,6 +46,9 @@ class PromptKeys:
     root: bytes
     block_chain: tuple[bytes, ...]
     groups: tuple[CacheGroup, ...]
+    # Divergence grid: stored block and tail objects are pointed to at its multiples inside them, so a
+    # prompt that leaves a stored one there finds the common prefix (0: no pointers).
+    grid: int = 0
     # Tail hashes already computed: a lookup asks for the same ones in every group and candidate.
     _tails: dict[int, bytes] = field(default_factory=dict, compare=False, repr=False)
 
@@ -58,13 +61,14 @@ class PromptKeys:
         namespace: str,
         root: bytes,
         groups: tuple[CacheGroup, ...] | None = None,
+        grid: int = 0,
     ) -> PromptKeys:
         groups = groups or single_group(block_size)
         if any(group.block_size != block_size for group in groups):
             raise ValueError("every cache group must use the prompt's block size")
         tokens = tuple(tokens)
         chain = tuple(block_hashes(tokens, block_size, root))
-        return cls(tokens, block_size, hash_unit, namespace, root, chain, groups)
+        return cls(tokens, block_size, hash_unit, namespace, root, chain, groups, grid)
 
     @property
     def num_full_blocks(self) -> int:
@@ -98,6 +102,22 @@ class PromptKeys:
         return ObjectRef(object_key(self.namespace, group, KeyKind.TAIL, boundary, digest), group, KeyKind.TAIL, index,
                          index * self.block_size, boundary, digest)  # fmt: skip
 
+    def pointer_ref(self, boundary: int, group: int = 0) -> ObjectRef:
+        """The pointer at ``boundary`` (inside a block): it has a tail's hash, and names a stored object
+        of ``group`` that holds this prefix's KV and more."""
+        index = boundary // self.block_size
+        digest = self.tail_hash(boundary)
+        return ObjectRef(object_key(self.namespace, group, KeyKind.POINTER, boundary, digest), group,
+                         KeyKind.POINTER, index, index * self.block_size, boundary, digest)  # fmt: skip
+
+    def pointers_inside(self, ref: ObjectRef) -> list[ObjectRef]:
+        """The pointers a save writes for one of its block or tail objects: at every grid multiple
+        strictly inside the tokens it holds."""
+        if not self.grid or ref.kind not in (KeyKind.BLOCK, KeyKind.TAIL):
+            return []
+        inside = tail_boundaries(ref.block_index, self.block_size, self.grid, ref.token_end - 1)
+        return [self.pointer_ref(boundary, ref.group) for boundary in inside]
+
     def state_ref(self, end: int, group: int) -> ObjectRef:
         """The state after ``end`` tokens: it lives in the block holding token ``end - 1``."""
         digest = self.chain_hash(end)
@@ -113,6 +133,21 @@ class PromptKeys:
     def tail_candidates(self, block_index: int) -> list[int]:
         return tail_boundaries(block_index, self.block_size, self.hash_unit, len(self.tokens))
 
+    def inner_candidates(self, block_index: int) -> list[int]:
+        """Where a stored prefix may end inside block ``block_index``: a tail (on the hash-unit grid)
+        or a pointer (on the divergence grid)."""
+        ends = set(self.tail_candidates(block_index))
+        if self.grid:
+            ends.update(tail_boundaries(block_index, self.block_size, self.grid, len(self.tokens)))
+        return sorted(ends)
+
+    def _inner_refs(self, end: int, group: int) -> list[ObjectRef]:
+        """What may hold a prefix ending at ``end`` inside a block: its tail, its pointer."""
+        refs = [self.tail_ref(end, group)] if end % self.hash_unit == 0 else []
+        if self.grid and end % self.grid == 0:
+            refs.append(self.pointer_ref(end, group))
+        return refs
+
     # -- what a group needs ---------------------------------------------------------------------------
 
     def probe_refs(self, ends: Sequence[int], blocks: bool) -> list[ObjectRef]:
@@ -127,22 +162,23 @@ class PromptKeys:
                 continue
             if blocks:
                 refs += [self.block_ref(i, group.index) for i in range(self.num_full_blocks)]
-            refs += [self.tail_ref(end, group.index) for end in ends if end % self.block_size]
+            refs += [ref for end in ends if end % self.block_size for ref in self._inner_refs(end, group.index)]
         return refs
 
     def _last_object(self, group: CacheGroup, hit: int, present: frozenset[str]) -> ObjectRef | None:
         """A stored object that holds the KV of token ``hit - 1`` for an attention group: the full
-        block, or the shortest stored tail of that block that reaches ``hit``."""
+        block, or the shortest stored tail of that block that reaches ``hit``, or the object a pointer
+        that reaches ``hit`` names (another prompt's, sharing these tokens and going on)."""
         index = (hit - 1) // self.block_size
         if index < self.num_full_blocks:
             block = self.block_ref(index, group.index)
             if block.key in present:
                 return block
-        for boundary in self.tail_candidates(index):
+        for boundary in self.inner_candidates(index):
             if boundary >= hit:
-                tail = self.tail_ref(boundary, group.index)
-                if tail.key in present:
-                    return tail
+                for ref in self._inner_refs(boundary, group.index):
+                    if ref.key in present:
+                        return ref
         return None
 
     def objects_for(
@@ -208,7 +244,7 @@ def _first_round_ends(keys: PromptKeys) -> list[int]:
     """Candidate ends asked about first: every block boundary and the tail boundaries of the
     prompt's last block."""
     ends = {(i + 1) * keys.block_size for i in range(keys.num_full_blocks)}
-    ends.update(keys.tail_candidates(len(keys.tokens) // keys.block_size))
+    ends.update(keys.inner_candidates(len(keys.tokens) // keys.block_size))
     return sorted(ends)
 
 
@@ -245,7 +281,7 @@ def find_stored_prefixes(prompts: Sequence[PromptKeys], exists: ExistsFn) -> lis
     for keys, ends, found in zip(prompts, first_ends, present, strict=True):
         length = len(keys.tokens)
         block = _chain_blocks(keys, ends, found)
-        inner_ends.append([] if block == length // keys.block_size else keys.tail_candidates(block))
+        inner_ends.append([] if block == length // keys.block_size else keys.inner_candidates(block))
     second_refs = [keys.probe_refs(ends, blocks=False) for keys, ends in zip(prompts, inner_ends, strict=True)]
     asked_twice = any(second_refs)
     more = _ask(exists, second_refs) if asked_twice else [frozenset() for _ in prompts]

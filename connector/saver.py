@@ -40,6 +40,7 @@ class ObjectCopy:
     transfer_number: int  # index in the save's transfers
     key: str
     value: bytes
+    pointers: tuple[tuple[str, bytes], ...] = ()  # (key, record) of its pointers, put once it is stored
 
 
 class SaveJob:
@@ -157,6 +158,7 @@ class Saver:
                 outcome = self._put(copy.key, copy.value).value
                 if outcome == PutOutcome.STORED.value:
                     self._count("bytes_saved", len(copy.value))
+                    self._put_pointers(copy)
                 failed = outcome != PutOutcome.STORED.value
             job.settle(copy.transfer_number, outcome)
             self._count(f"saves_{outcome}")
@@ -164,6 +166,15 @@ class Saver:
                 self._held -= len(copy.value)
         job.copies = []
         self._put_record(job, SEQ_FINAL)
+
+    def _put_pointers(self, copy: ObjectCopy) -> None:
+        """Point to a stored object from the divergence points inside it, in order, stopping at the first
+        failure: a missing pointer is only a shorter hit for a prompt that leaves this one there."""
+        for key, record in copy.pointers:
+            outcome = self._put(key, record)
+            self._count(f"pointers_{outcome.value}")
+            if outcome is not PutOutcome.STORED:  # a put of a present key answers stored too
+                return
 
     def _present(self, keys: list[str]) -> list[bool]:
         try:

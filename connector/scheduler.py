@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from .config import KVToolConfig
+from .config import KVToolConfig, divergence_grid
 from .data import BlockTransfer, KVToolMetadata, RequestLoad, RequestSave, StoredObject
 from .groups import NULL_BLOCK_ID, CacheGroup, GroupKind
 from .hashing import RequestIdentity
@@ -28,6 +28,19 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger("vllm.kvtool")
+
+
+def save_transfer(keys: PromptKeys, ref: ObjectRef, block_id: int) -> BlockTransfer:
+    """A save object copied from ``block_id``, with the pointers to put after it."""
+    pointers = tuple((p.token_end, p.chain_hash) for p in keys.pointers_inside(ref))
+    return BlockTransfer(block_id, ref.kind, ref.token_start, ref.token_end, ref.chain_hash, ref.group, pointers)
+
+
+def last_put_key(keys: PromptKeys, last: ObjectRef) -> str:
+    """The key a save puts last (its last object, or that object's last pointer): once it is stored,
+    every put of the save was tried."""
+    pointers = keys.pointers_inside(last)
+    return pointers[-1].key if pointers else last.key
 
 
 class RequestLog:
@@ -95,6 +108,7 @@ class SchedulerSide:
         self._namespace = namespace.key_component()
         self._block_size = namespace.block_size
         self._groups = groups or single_group(namespace.block_size)
+        self._grid = divergence_grid(config, namespace.block_size)
         self._current_tables: Callable[[str], tuple[list[int], ...] | None] | None = None
         self._store = store
         self._loads_enabled = loads_enabled and store is not None
@@ -134,6 +148,7 @@ class SchedulerSide:
                 self._namespace,
                 root,
                 self._groups,
+                self._grid,
             )
             tracked = _Tracked(request=request, keys=keys, unhashable=unhashable)
             if unhashable:
@@ -317,10 +332,7 @@ class SchedulerSide:
         meta.saves.append(
             RequestSave(
                 req_id,
-                tuple(
-                    BlockTransfer(block_id, s.kind, s.token_start, s.token_end, s.chain_hash, s.group)
-                    for s, block_id in usable
-                ),
+                tuple(save_transfer(tracked.keys, s, block_id) for s, block_id in usable),
                 already_stored=tuple(
                     StoredObject(s.kind, s.token_start, s.token_end, s.group)
                     for s, found in zip(planned, present, strict=True)
@@ -333,7 +345,7 @@ class SchedulerSide:
             )
         )
         tracked.save_objects = len(usable)
-        tracked.last_saved_key = usable[-1][0].key
+        tracked.last_saved_key = last_put_key(tracked.keys, usable[-1][0])
         tails = [s.token_end for s, _ in usable if s.kind is KeyKind.TAIL]
         tracked.tail_boundary_saved = tails[0] if tails else None
 
@@ -357,7 +369,7 @@ class SchedulerSide:
             return None
         tokens = list(request.all_token_ids)[:computed]
         keys = PromptKeys.build(tokens, self._block_size, self._config.hash_unit, self._namespace,
-                                tracked.keys.root, self._groups)  # fmt: skip
+                                tracked.keys.root, self._groups, self._grid)  # fmt: skip
         stored = tracked.stored.present if tracked.stored is not None and tracked.load_failure is None else frozenset()
         known = stored | tracked.saved_keys
         usable = []
@@ -368,12 +380,9 @@ class SchedulerSide:
             usable.append((ref, ids[ref.block_index]))
         if not usable:
             return None
-        transfers = tuple(
-            BlockTransfer(block_id, ref.kind, ref.token_start, ref.token_end, ref.chain_hash, ref.group)
-            for ref, block_id in usable
-        )
-        # Put in this order (blocks by position, then tails): once the last key is stored, every put was tried.
-        tracked.answer_tokens, tracked.answer_objects, tracked.answer_last_key = computed, len(usable), usable[-1][0].key
+        transfers = tuple(save_transfer(keys, ref, block_id) for ref, block_id in usable)
+        tracked.answer_tokens, tracked.answer_objects = computed, len(usable)
+        tracked.answer_last_key = last_put_key(keys, usable[-1][0])
         self.stats["answer_saves"] += 1
         params = getattr(request, "kv_transfer_params", None) or {}
         return RequestSave(request.request_id, transfers, prompt_tokens=computed, tag=params.get("kvtool_tag"),

@@ -14,15 +14,16 @@ import logging
 import threading
 import warnings
 from collections import Counter
+from dataclasses import replace
 
 import torch
 
 from .calls import BoundedCalls
 from .config import KVToolConfig
 from .data import BlockTransfer, KVToolMetadata, KVToolWorkerMeta, RequestSave
-from .keys import Namespace, object_key, watermark_key
+from .keys import KeyKind, Namespace, object_key, watermark_key
 from .loader import Loader
-from .objects import HEADER_SIZE, ObjectHeader, encode_object
+from .objects import HEADER_SIZE, ObjectHeader, PointerRecord, encode_object, encode_pointer, verify_pointer
 from .saver import ObjectCopy, Saver, SaveJob
 from .store import KVStore
 
@@ -61,6 +62,7 @@ class WorkerSide:
             header_of=self._header,
             object_bytes=lambda: HEADER_SIZE + max(self._group_bytes, default=0),
             write_block=self._write_block,
+            resolve=self._resolve,
             timeout_s=config.load_timeout_s,
             calls=load_calls,
         )
@@ -124,6 +126,29 @@ class WorkerSide:
             payload_len=self._group_bytes[transfer.group],
             group=transfer.group,
         )
+
+    def _pointers(self, transfer: BlockTransfer) -> tuple[tuple[str, bytes], ...]:
+        """The (key, record) of each pointer to a saved object."""
+        return tuple(
+            (
+                object_key(self._ns_key, transfer.group, KeyKind.POINTER, boundary, digest),
+                encode_pointer(self._pointer(boundary, digest, transfer)),
+            )
+            for boundary, digest in transfer.pointers
+        )
+
+    def _pointer(self, boundary: int, digest: bytes, target: BlockTransfer) -> PointerRecord:
+        """The pointer at ``boundary`` (prefix hash ``digest``) to ``target``, an object of its group."""
+        return PointerRecord(
+            self._fingerprint, digest, target.group, boundary, target.kind, target.token_end, target.chain_hash
+        )
+
+    def _resolve(self, pointer: BlockTransfer, record_bytes: bytes) -> BlockTransfer:
+        """The object a loaded pointer names, as a transfer into the pointer's block (claiming only up to
+        the pointer: vLLM computes from there on, over the rest of the block)."""
+        expected = self._pointer(pointer.token_end, pointer.chain_hash, pointer)
+        record = verify_pointer(record_bytes, expected, self._namespace.block_size)
+        return replace(pointer, kind=record.target_kind, token_end=record.target_end, chain_hash=record.target_hash)
 
     def _count(self, name: str, amount: int = 1) -> None:
         with self._stats_lock:
@@ -203,7 +228,12 @@ class WorkerSide:
             return
         # The budget keeps a prefix: objects in put order (blocks by position, then tails and states).
         copies = [
-            ObjectCopy(number, self._key(transfer), encode_object(self._header(transfer), self._read_block(transfer)))
+            ObjectCopy(
+                number,
+                self._key(transfer),
+                encode_object(self._header(transfer), self._read_block(transfer)),
+                self._pointers(transfer),
+            )
             for number, transfer in enumerate(save.transfers[:fits])
         ]
         job = SaveJob(save, copies, lambda seq: watermark_key(self._ns_key, save.watermark_id, seq))

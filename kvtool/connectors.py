@@ -33,6 +33,7 @@ class TransferSettings:
     request_log: Path | None
     extra: dict[str, Any] | None = None  # further fields of the kvtool connector's config (tests)
     save_answers: bool = False  # the engine also saves prompt + answer at request end (roles both)
+    divergence_grid: int | None = None  # the kvtool connector's pointer grid; None: its default (auto)
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,8 @@ def kvtool_extra_config(settings: TransferSettings) -> dict[str, Any]:
         extra["request_log"] = str(settings.request_log)
     if settings.save_answers:
         extra["save_answers"] = True
+    if settings.divergence_grid is not None:
+        extra["divergence_grid"] = settings.divergence_grid
     extra.update(settings.extra or {})
     return extra
 

@@ -24,6 +24,7 @@ class ReadyFile(BaseModel):
     model: str
     block_size: int
     hash_unit: int
+    divergence_grid: int | None = None  # the kvtool connector's pointer grid in tokens (0: none)
     max_model_len: int
     connector: str  # kvtool, vllm-mooncake-store or none
     roles: str | None = None  # pd or both; None without a connector

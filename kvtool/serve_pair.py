@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from connector.config import KVToolConfig, divergence_grid
 from kvtool.errors import UserError
 from kvtool import connectors
 from kvtool.connectors import ConnectorProfile, TransferSettings
@@ -51,6 +52,7 @@ class ServePairConfig(BaseModel):
     store_port: int = 50052  # the standalone mooncake_client's service port
     block_size: int = Field(default=32, gt=0)
     hash_unit: int = Field(default=1, gt=0)
+    divergence_grid: int | None = Field(default=None, ge=0)  # None: the connector's auto (a quarter block)
     store: StoreChoice = "embedded"
     connector: ConnectorChoice = "kvtool"
     roles: RolesChoice = "pd"
@@ -78,6 +80,13 @@ class ServePairConfig(BaseModel):
     def effective_block_size(self) -> int:
         """The block size of the engines' KV cache: what stored keys are built with."""
         return self.kv_block_size or self.block_size
+
+    @property
+    def effective_divergence_grid(self) -> int:
+        """The kvtool connector's pointer grid on these engines (connector.config.divergence_grid)."""
+        grid = "auto" if self.divergence_grid is None else self.divergence_grid
+        return divergence_grid(KVToolConfig(master_server_address="127.0.0.1:1", divergence_grid=grid),
+                               self.effective_block_size)  # fmt: skip
 
     @property
     def uses_mooncake(self) -> bool:
@@ -169,6 +178,7 @@ def kv_transfer_config(cfg: ServePairConfig, role: Role) -> dict[str, Any] | Non
         {"fault_control_file": str(cfg.fault_control_file)} if cfg.fault_control_file else None,
         # With roles "both" the decoding engine saves its answers, so a chat's next turn reuses them.
         save_answers=cfg.roles == "both",
+        divergence_grid=cfg.divergence_grid,
     )
     return cfg.profile.kv_transfer_config(settings)
 
@@ -390,6 +400,7 @@ def ready_info(
         model=str(cfg.model),
         block_size=cfg.effective_block_size,
         hash_unit=cfg.hash_unit,
+        divergence_grid=cfg.effective_divergence_grid if cfg.connector == "kvtool" else None,
         max_model_len=cfg.max_model_len,
         connector=cfg.connector,
         roles=cfg.roles if cfg.uses_mooncake else None,

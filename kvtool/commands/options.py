@@ -151,6 +151,13 @@ class PairOptions:
     store_port: Annotated[int, _pair("service port of the standalone store (--store standalone)")] = 50052
     block_size: Annotated[int, _pair("vLLM KV block size in tokens (a multiple of 32 on the CPU)")] = 32
     hash_unit: Annotated[int, _pair("tail boundary grid in tokens for the kvtool connector (1 = exact)")] = 1
+    divergence_grid: Annotated[
+        int | None,
+        _pair(
+            "pointer grid in tokens inside stored objects (kvtool connector): a prompt that leaves a stored "
+            "one finds their common prefix rounded down to it; 1 = exact, 0 = off \\[default: block size / 4]"
+        ),
+    ] = None
     store: Annotated[
         str,
         _pair(
@@ -238,6 +245,7 @@ class PairOptions:
                 store_port=self.store_port,
                 block_size=self.block_size,
                 hash_unit=self.hash_unit,
+                divergence_grid=self.divergence_grid,
                 store=self.store,
                 connector=self.connector,
                 roles=self.roles,

@@ -15,7 +15,13 @@ from kvtool.errors import UserError
 from kvtool.report import Report, ReportTable
 
 FOREIGN = "foreign"
-KIND_NAMES = {KeyKind.BLOCK: "block", KeyKind.TAIL: "tail", KeyKind.STATE: "state", KeyKind.WATERMARK: "watermark"}
+KIND_NAMES = {
+    KeyKind.BLOCK: "block",
+    KeyKind.TAIL: "tail",
+    KeyKind.STATE: "state",
+    KeyKind.POINTER: "pointer",
+    KeyKind.WATERMARK: "watermark",
+}
 KIND_CHOICES = (*KIND_NAMES.values(), FOREIGN)
 KEY_COLUMNS = ["kind", "namespace", "group", "end_token", "tokens", "hash", "size_bytes", "key"]
 
@@ -29,6 +35,7 @@ class KeyInfo:
     namespace: str | None = None
     end_token: int | None = None  # a block's end token, a tail's boundary, a state's position
     tokens: int | None = None  # tokens the object holds: block size for a block, valid tokens for a tail
+    # (for a pointer: the tokens of its block it stands for)
     chain_hash: str | None = None
     request_hash: str | None = None
     seq: int | None = None
@@ -42,7 +49,7 @@ def describe_key(key: str, block_size: int | None = None) -> KeyInfo:
     if decoded is None:
         return KeyInfo(key=key, kind=FOREIGN)
     tokens = None
-    if decoded.kind is KeyKind.TAIL and block_size:
+    if decoded.kind in (KeyKind.TAIL, KeyKind.POINTER) and block_size:
         tokens = decoded.end_token % block_size
     elif decoded.kind is KeyKind.BLOCK and block_size:
         tokens = block_size

@@ -352,7 +352,8 @@ def prompt_report(
     hash_unit = hash_unit or target.hash_unit or 1
     every = admin.all_keys(target.admin)
     chosen = choose_namespace(namespace, namespaces(describe_key(k) for k in every))
-    keys = PromptKeys.build(tokens, block_size, hash_unit, chosen, RequestIdentity(cache_salt=cache_salt).root_hash())
+    root = RequestIdentity(cache_salt=cache_salt).root_hash()
+    keys = PromptKeys.build(tokens, block_size, hash_unit, chosen, root, grid=target.divergence_grid or 0)
     notes: list[str] = []
 
     coverage: list[Coverage] = []

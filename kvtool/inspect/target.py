@@ -21,6 +21,7 @@ class Target:
     model: str | None = None
     block_size: int | None = None
     hash_unit: int | None = None
+    divergence_grid: int | None = None  # the pair's pointer grid (its ready file); None: not known
 
 
 def resolve_target(admin: str | None, pair: Path | None, master: str | None = None) -> Target:
@@ -44,6 +45,7 @@ def resolve_target(admin: str | None, pair: Path | None, master: str | None = No
         model=info.get("model") or None,
         block_size=info.get("block_size"),
         hash_unit=info.get("hash_unit"),
+        divergence_grid=info.get("divergence_grid"),
     )
 
 

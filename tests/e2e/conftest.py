@@ -59,7 +59,9 @@ _start_failures: dict[str, str] = {}
 
 
 @contextlib.contextmanager
-def running_pair(workdir: Path, preset: str = "tiny", roles: str = "pd") -> Iterator[dict[str, Any]]:
+def running_pair(
+    workdir: Path, preset: str = "tiny", roles: str = "pd", extra_args: tuple[str, ...] = ()
+) -> Iterator[dict[str, Any]]:
     """A serve-pair on free ports for ``preset``'s generated model, until the block ends: its parsed
     ready file (kvtool/ready.py), as first written, plus ``ready_file`` (serve-pair rewrites it when it
     restarts the master) and ``fault_control_file``."""
@@ -87,6 +89,7 @@ def running_pair(workdir: Path, preset: str = "tiny", roles: str = "pd") -> Iter
         os.environ.get("KVTOOL_E2E_STORE", "embedded"),
         "--roles",
         roles,
+        *extra_args,
     ]
     for flag, port in ports.items():
         argv += [f"--{flag}-port", str(port)]

@@ -1,5 +1,6 @@
-"""A disaggregated chat on a `--roles both` pair: the prefill engine reuses every previous prompt and
-the decoding engine's real answer, to the token, and answers as a recomputation does."""
+"""On a `--roles both` pair with a token-exact divergence grid: a disaggregated chat reuses every
+previous prompt and the decoding engine's real answer, to the token; a prompt that leaves a stored one
+inside a block or a tail hits exactly their common prefix; every answer is a recomputation's."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 from kvtool.admin import wait_for_key
 
 from .conftest import running_pair
-from .pairtools import consume, prompt, wait_save_ended
+from .pairtools import consume, produce, prompt, wait_save_ended
 
 pytestmark = pytest.mark.e2e
 
@@ -19,8 +20,9 @@ ANSWER = 20  # generated tokens a turn: the answer ends inside a block, past the
 
 @pytest.fixture(scope="module")
 def both_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
-    """A tiny pair whose engines are both kv_both and save their answers (serve-pair --roles both)."""
-    with running_pair(tmp_path_factory.mktemp("both-pair"), roles="both") as info:
+    """A tiny pair whose engines are both kv_both and save their answers (serve-pair --roles both), with
+    a pointer at every token inside stored objects (--divergence-grid 1)."""
+    with running_pair(tmp_path_factory.mktemp("both-pair"), roles="both", extra_args=("--divergence-grid", "1")) as info:
         yield info
 
 
@@ -42,3 +44,30 @@ def test_a_three_turn_chat_reuses_every_previous_prompt_and_answer_to_the_token(
         assert wait_for_key(both_pair["admin"], details.answer_last_key, 60.0), details.answer_last_key
         computed = len(turn) + ANSWER - 1
         turn = turn + generated + prompt(41 + number, 7)
+
+
+@pytest.mark.parametrize(
+    "common, length",
+    [(50, 70), (75, 90), (12, 30)],
+    ids=["inside-a-block", "inside-a-tail", "inside-a-sub-block-prompt"],
+)
+def test_a_prompt_leaving_a_stored_one_inside_an_object_hits_exactly_the_common_prefix(both_pair, common, length):
+    stored = prompt(60 + common, 85 if common > 20 else 20)  # 85: blocks ending at 32, 64 and a tail at 85
+    produce(both_pair, stored)
+    diverging = stored[:common] + prompt(70 + common, length - common)
+    assert diverging[common] != stored[common]
+    details, _ = consume(both_pair, diverging)
+    assert details.reused_tokens == common, details
+    assert details.lookup == "hit"
+
+
+def test_on_the_default_grid_a_divergence_point_is_found_rounded_down_to_it(pair):
+    """The session pair runs the auto grid (a quarter block: 8 tokens of 32)."""
+    assert pair["divergence_grid"] == 8
+    stored = prompt(90, 85)
+    produce(pair, stored)
+    for common, expected in ((56, 56), (53, 48), (78, 72)):
+        diverging = stored[:common] + prompt(91 + common, 20)
+        assert diverging[common] != stored[common]
+        details, _ = consume(pair, diverging)
+        assert details.reused_tokens == expected, (common, details)

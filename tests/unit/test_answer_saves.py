@@ -56,9 +56,10 @@ def test_a_consumer_saves_the_blocks_the_answer_filled_and_its_exact_tail_not_wh
     assert [(t.block_id, t.kind.value, t.token_end) for t in save.transfers] == [(12, "b", 96), (13, "t", 104)]
     details = params["kvtool"]
     assert (details["answer_tokens"], details["answer_save_objects"]) == (104, 2)
-    assert "/t/104/" in details["answer_last_key"]
+    assert "/t/104/" in details["answer_last_key"]  # put last (a grid of 8 tokens puts no pointer inside it)
     # Once stored, the next turn (prompt + the whole answer + a new message) finds all of it.
-    for key in (keys_of(PROMPT + ANSWER).block_key(2), details["answer_last_key"]):
+    keys = keys_of(PROMPT + ANSWER)
+    for key in (keys.block_key(2), keys.tail_key(104)):
         store.objects[key] = b"object"
     assert find_stored_prefix(keys_of(PROMPT + ANSWER + [7, 8, 9]), store.exists).hit_tokens == 104
 
@@ -132,7 +133,9 @@ def test_the_worker_reports_an_answer_save_sent_once_it_copied_it_or_could_not()
     assert worker.take_sent() == {"r1"} and worker.take_sent() == set()
     worker.shutdown()
     objects = [decode_key(key) for key in store.objects]
-    assert sorted(o.end_token for o in objects if o.end_token is not None) == [32, 64, 96, 104]
+    assert sorted(o.end_token for o in objects if o.kind.value in "bt") == [32, 64, 96, 104]
+    # With pointers at every 8 tokens inside each object (the auto grid: a quarter block).
+    assert sorted(o.end_token for o in objects if o.kind.value == "p") == [8, 16, 24, 40, 48, 56, 72, 80, 88]
     # Its watermark records are its own, apart from the prompt save's of the same request.
     assert {o.request_hash for o in objects if o.request_hash} == {request_hash(answer_watermark_id("r1"))}
     # A worker that cannot save (no store) still lets vLLM free the blocks.

@@ -243,6 +243,7 @@ def test_ready_info_content(tmp_path):
         "model": str(tmp_path / "model"),
         "block_size": 32,
         "hash_unit": 1,
+        "divergence_grid": 8,  # the auto grid: a quarter of the 32-token block
         "max_model_len": 2048,
         "connector": "kvtool",
         "roles": "pd",

@@ -1,0 +1,165 @@
+"""Divergence points: a prompt that leaves a stored one inside a block or a tail hits their common
+prefix (on the divergence grid) through a pointer, and loads the object the pointer names."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from connector.data import KVToolMetadata, RequestLoad, RequestSave
+from connector.hashing import RequestIdentity
+from connector.keys import KeyKind
+from connector.objects import PointerRecord, encode_pointer
+from connector.prefix import PromptKeys, find_stored_prefix, plan_load, plan_save
+from connector.scheduler import save_transfer
+from connector.store import PutOutcome
+
+from .scripted_store import ScriptedStore
+from .test_worker import BLOCK, LAYERS, NS, kv_caches, worker
+
+ROOT = RequestIdentity().root_hash()
+STORED = list(range(1000, 1085))  # 85 tokens: blocks ending at 32 and 64, a tail ending at 85
+
+
+def keys_for(tokens, grid=1, unit=1):
+    return PromptKeys.build(tokens, BLOCK, unit, NS.key_component(), ROOT, grid=grid)
+
+
+def published(tokens, grid=1, unit=1) -> set[str]:
+    """Every key a save of ``tokens`` puts: its objects and their pointers."""
+    keys = keys_for(tokens, grid, unit)
+    return {ref.key for obj in plan_save(keys) for ref in (obj, *keys.pointers_inside(obj))}
+
+
+def diverging(common: int, length: int) -> list[int]:
+    return STORED[:common] + [7] * (length - common)
+
+
+def found(stored: set[str], tokens, grid=1, unit=1):
+    return find_stored_prefix(keys_for(tokens, grid, unit), lambda keys: [k in stored for k in keys])
+
+
+@pytest.mark.parametrize(
+    "common, length",
+    [(50, 70), (50, 60), (70, 80), (70, 100), (5, 40), (31, 40)],
+    ids=["in-block-longer", "in-block-shorter", "in-tail", "in-tail-longer", "first-block", "one-short-of-a-block"],
+)
+def test_a_prompt_leaving_a_stored_one_inside_an_object_hits_exactly_the_common_prefix(common, length):
+    stored = published(STORED)
+    prefix = found(stored, diverging(common, length))
+    assert prefix.hit_tokens == common
+    assert prefix.queries <= 2
+
+
+def test_the_grid_rounds_the_hit_down_and_no_grid_finds_only_whole_blocks():
+    assert found(published(STORED, grid=8), diverging(50, 70), grid=8).hit_tokens == 48
+    assert found(published(STORED, grid=8), diverging(70, 80), grid=8).hit_tokens == 64  # 72 > 70: the block
+    assert found(published(STORED, grid=0), diverging(50, 70), grid=0).hit_tokens == 32
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    stored_len=st.integers(2, 140),
+    common=st.integers(0, 140),
+    extra=st.integers(0, 40),
+    grid=st.sampled_from([1, 3, 4, 16]),
+)
+def test_the_hit_is_the_longest_stored_boundary_within_the_common_prefix(stored_len, common, extra, grid):
+    stored_tokens = STORED[:stored_len] if stored_len <= len(STORED) else list(range(1000, 1000 + stored_len))
+    common = min(common, stored_len)
+    prompt = stored_tokens[:common] + [7] * extra
+    if len(prompt) < 2:
+        return
+    # What the store can serve: any block end, the stored tail's end, a grid multiple inside either.
+    ends = {e for e in range(1, stored_len + 1) if e % BLOCK == 0 or e == stored_len or e % grid == 0}
+    within = [e for e in ends if e <= common and e < len(prompt)]
+    if common == len(prompt) in ends:  # the prompt is a stored prefix: all of it but the token to compute
+        within.append(len(prompt) - 1)
+    assert found(published(stored_tokens, grid), prompt, grid).hit_tokens == max(within, default=0)
+
+
+def test_a_load_plan_through_a_pointer_claims_only_the_common_prefix():
+    stored = published(STORED)
+    keys = keys_for(diverging(70, 80))
+    plan = plan_load(keys, find_stored_prefix(keys, lambda ks: [k in stored for k in ks]), 32)
+    assert plan.external_tokens == 38
+    assert [(o.kind, o.token_start, o.token_end) for o in plan.objects] == [
+        (KeyKind.BLOCK, 32, 64),
+        (KeyKind.POINTER, 64, 70),
+    ]
+
+
+def save_with_pointers(store, caches, tokens, blocks):
+    keys = keys_for(tokens)
+    side = worker(store, caches)
+    transfers = tuple(save_transfer(keys, ref, blocks[ref.block_index]) for ref in plan_save(keys))
+    side.wait_for_save(KVToolMetadata(saves=[RequestSave("req-1", transfers, prompt_tokens=len(tokens))]))
+    side.shutdown()
+
+
+def pointer_load(tokens, common, block):
+    keys = keys_for(tokens)
+    ref = keys.pointer_ref(common)
+    return RequestLoad("req-2", (save_transfer(keys, ref, block),))
+
+
+def test_a_pointer_loads_the_whole_block_of_the_object_it_names():
+    store, source = ScriptedStore(), kv_caches("random")
+    save_with_pointers(store, source, STORED, (3, 5, 1))
+    target = kv_caches("zeros")
+    loader = worker(store, target, saves=False)
+    loader.start_load_kv(KVToolMetadata(loads=[pointer_load(diverging(70, 80), 70, 6)]))
+    assert loader.get_finished() == ({"req-2"}, set())
+    assert all(torch.equal(source[name][1], target[name][6]) for name in LAYERS)  # the tail's block
+    stats = loader.take_stats()
+    assert (stats["pointer_hits"], stats["tail_objects_loaded"]) == (1, 1)
+
+
+def forged(record: PointerRecord, **changes) -> bytes:
+    fields = {**record.__dict__, **changes}
+    return encode_pointer(PointerRecord(**fields))
+
+
+@pytest.mark.parametrize(
+    "change, cause",
+    [
+        ({"namespace_fingerprint": b"X" * 16}, "namespace"),
+        ({"chain_hash": b"\0" * 16}, "hash"),
+        ({"target_end": 60}, "corrupt"),  # ends before the pointer
+        ({"target_end": 97}, "corrupt"),  # past its block
+        ({"target_kind": KeyKind.BLOCK}, "corrupt"),  # a block that does not end at the block's end
+    ],
+)
+def test_a_bad_pointer_fails_the_load(change, cause):
+    store, source = ScriptedStore(), kv_caches("random")
+    save_with_pointers(store, source, STORED, (3, 5, 1))
+    keys = keys_for(STORED)
+    pointer = keys.pointer_ref(70)
+    tail = keys.tail_ref(85)
+    good = PointerRecord(NS.fingerprint(), pointer.chain_hash, 0, 70, KeyKind.TAIL, 85, tail.chain_hash)
+    assert store.objects[pointer.key] == encode_pointer(good)
+    store.objects[pointer.key] = forged(good, **change)
+    loader = worker(store, kv_caches("zeros"), saves=False)
+    loader.start_load_kv(KVToolMetadata(loads=[pointer_load(diverging(70, 80), 70, 6)]))
+    assert loader.get_finished() == ({"req-2"}, {"req-2"})
+    assert loader.take_load_failures().load_failures["req-2"][1] == cause
+
+
+def test_a_pointer_whose_object_is_gone_is_a_miss_load():
+    store, source = ScriptedStore(), kv_caches("random")
+    save_with_pointers(store, source, STORED, (3, 5, 1))
+    del store.objects[keys_for(STORED).tail_key(85)]
+    loader = worker(store, kv_caches("zeros"), saves=False)
+    loader.start_load_kv(KVToolMetadata(loads=[pointer_load(diverging(70, 80), 70, 6)]))
+    assert loader.get_finished() == ({"req-2"}, {"req-2"})
+    assert loader.take_load_failures().load_failures["req-2"][1] == "missing"
+
+
+def test_pointers_are_put_after_their_object_and_not_when_its_put_fails():
+    store, source = ScriptedStore(), kv_caches("random")
+    store.put_outcome_for = lambda key: PutOutcome.FAILED if "/t/" in key else PutOutcome.STORED
+    save_with_pointers(store, source, STORED, (3, 5, 1))
+    pointers = sorted(int(key.split("/")[-2]) for key in store.objects if "/p/" in key)
+    assert pointers == [e for e in range(1, 64) if e % BLOCK]  # the blocks' pointers, none of the tail's
