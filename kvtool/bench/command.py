@@ -19,14 +19,16 @@ from .config import CONNECTORS, BenchConfig, build_workload
 from .oracle import ideal_hits
 from .report import bench_document, connector_report
 from .runner import PairInfo, PairRunner, WorkloadRun, check_reachable, load_pair_info, pair_info
-from .workloads.base import Step, WorkloadShape
+from .workloads.base import Step, WorkloadShape, longest_prompts, prompts_known
 
 
 @dataclass(frozen=True)
 class PlannedWorkload:
     name: str
     steps: list[Step]
-    ideal: dict[int, int]  # ideal reused tokens per consumer step
+    # Ideal reused tokens per consumer step; None when prompts continue answers (chat): the runner
+    # then measures every step against what the requests before it computed.
+    ideal: dict[int, int] | None
 
 
 def plan_workloads(config: BenchConfig, block_size: int, hash_unit: int, vocab_size: int, max_model_len: int):
@@ -43,13 +45,14 @@ def plan_workloads(config: BenchConfig, block_size: int, hash_unit: int, vocab_s
     for spec in config.workloads:
         workload = build_workload(spec, config)
         steps = workload.steps(shape)
-        too_long = max((len(step.prompt) for step in steps), default=0)
+        too_long = max(longest_prompts(steps), default=0)
         if too_long > shape.max_prompt_tokens:
             raise UserError(
                 f"workload {spec} makes a {too_long}-token prompt, more than the {shape.max_prompt_tokens} "
                 "the engine takes with this --max-tokens; use shorter prompts"
             )
-        planned.append(PlannedWorkload(workload.label(), steps, ideal_hits(steps, block_size, hash_unit)))
+        ideal = ideal_hits(steps, block_size, hash_unit) if prompts_known(steps) else None
+        planned.append(PlannedWorkload(workload.label(), steps, ideal))
     return planned
 
 

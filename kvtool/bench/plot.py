@@ -1,4 +1,4 @@
-"""The --plot PNG: hit tokens achieved vs ideal per consumer request, and TTFT by connector.
+"""The --plot PNG: hit tokens achieved vs ideal per measured request, and TTFT by connector.
 
 Drawn with Pillow (vLLM depends on it, so it is in every kvtool environment that can run a pair);
 matplotlib is not a kvtool dependency.
@@ -36,10 +36,11 @@ def write_plot(path: Path, reports: dict[str, dict[str, Any]]) -> None:
     requests = [report["requests"] for report in reports.values()]
     count = max((len(r) for r in requests), default=0)
 
-    # Top panel: per consumer request, the ideal (grey) behind each connector's achieved hit.
+    # Top panel: per measured request (consumer; chat's producer too), the ideal (grey) behind each
+    # connector's achieved hit.
     top, bottom = MARGIN, HEIGHT // 2 + 60
     left, right = MARGIN, WIDTH - MARGIN
-    draw.text((left, 20), "hit tokens per consumer request: ideal (grey, dark line) vs achieved", fill=AXIS_COLOR)
+    draw.text((left, 20), "hit tokens per measured request: ideal (grey, dark line) vs achieved", fill=AXIS_COLOR)
     peak = max(
         [1] + [r["ideal_tokens"] for rs in requests for r in rs] + [r["hit_tokens"] for rs in requests for r in rs]
     )

@@ -41,16 +41,23 @@ def bucket_label(prompt_tokens: int, block_size: int) -> str:
     return f">={low * block_size}"
 
 
-def summarize(consumers: Sequence[ConsumerResult], runs: Iterable[WorkloadRun] = ()) -> dict[str, Any]:
-    """The summary of a set of consumer requests (and of the producer side of ``runs``)."""
+def summarize(
+    consumers: Sequence[ConsumerResult], runs: Iterable[WorkloadRun] = (), by_engine: bool = False
+) -> dict[str, Any]:
+    """The summary of a set of measured requests (and of the producer side of ``runs``).
+
+    TTFT is the consumer's where the set has consumer requests (a producer's, max_tokens=1, is its
+    latency, which the producer figures already show). ``by_engine``: where the set measured both
+    engines (chat), ``engines`` holds each engine's own summary too."""
     prompt = sum(c.prompt_tokens for c in consumers)
     ideal = sum(c.ideal_tokens for c in consumers)
     hit = sum(c.hit_tokens for c in consumers)
-    ttfts = [c.ttft_ms for c in consumers]
+    ttfts = [c.ttft_ms for c in consumers if c.engine == "consumer"] or [c.ttft_ms for c in consumers]
     mismatches = [c for c in consumers if c.matched is False]
     runs = list(runs)
     producer_ms = [p.latency_ms for r in runs for p in r.producers]
     waits_ms = [w for r in runs for w in r.durability_waits_ms]
+    engines = _engines(consumers) if by_engine else {}
     return {
         "requests": len(consumers),
         "prompt_tokens": prompt,
@@ -72,18 +79,27 @@ def summarize(consumers: Sequence[ConsumerResult], runs: Iterable[WorkloadRun] =
         "producer_ms_p50": percentile(producer_ms, 0.5),
         "durability_wait_ms_p50": percentile(waits_ms, 0.5),
         "durability_timeouts": sum(r.durability_timeouts for r in runs),
+        **({"engines": engines} if len(engines) > 1 else {}),
     }
 
 
+def _engines(results: Sequence[ConsumerResult]) -> dict[str, dict[str, Any]]:
+    """Each engine's summary, producer first (the order requests run in a turn)."""
+    engines = sorted({r.engine for r in results}, key=lambda engine: engine != "producer")
+    return {engine: summarize([r for r in results if r.engine == engine]) for engine in engines}
+
+
 def connector_report(runs: Sequence[WorkloadRun], block_size: int) -> dict[str, Any]:
-    """Everything reported for one connector: overall, per workload, per prompt-length bucket, per request."""
-    consumers = [c for r in runs for c in r.consumers]
+    """Everything reported for one connector: overall, per workload, per prompt-length bucket, per request.
+
+    The requests are the measured ones: every consumer request, and chat's producer requests."""
+    consumers = [c for r in runs for c in r.measured]
     buckets: dict[str, list[ConsumerResult]] = {}
     for consumer in sorted(consumers, key=lambda c: c.prompt_tokens):
         buckets.setdefault(bucket_label(consumer.prompt_tokens, block_size), []).append(consumer)
     return {
-        "summary": summarize(consumers, runs),
-        "workloads": {r.workload: summarize(r.consumers, [r]) for r in runs},
+        "summary": summarize(consumers, runs, by_engine=True),
+        "workloads": {r.workload: summarize(r.measured, [r], by_engine=True) for r in runs},
         "buckets": {label: summarize(members) for label, members in buckets.items()},
         "mismatches": [
             {"workload": c.workload, "step": c.step, "prompt_tokens": c.prompt_tokens, "reason": c.mismatch}
@@ -170,10 +186,22 @@ def _styled(cell: Any, style: str) -> Text:
     return text
 
 
+def _engine_label(name: str, engine: str) -> str:
+    """An engine's row, after the row it splits; named in full, as a transposed table shows no indent."""
+    return f"{name} ({engine})"
+
+
+def _rows(first: str, name: str, summary: dict[str, Any], style: str | None = None) -> list[dict[str, Any]]:
+    """The summary's row, then one per engine where it measured both (chat)."""
+    rows = [_summary_row(first, name, summary, style)]
+    rows += [_summary_row(first, _engine_label(name, engine), sub) for engine, sub in _engines_of(summary).items()]
+    return rows
+
+
 def _summary_table(title: str, first: str, summaries: dict[str, dict[str, Any]], total: dict | None) -> ReportTable:
-    rows = [_summary_row(first, name, summary) for name, summary in summaries.items()]
+    rows = [row for name, summary in summaries.items() for row in _rows(first, name, summary)]
     if total is not None:
-        rows.append(_summary_row(first, "all", total, style="bold"))
+        rows += _rows(first, "all", total, style="bold")
     return ReportTable(title, [first, *SUMMARY_COLUMNS], rows)
 
 
@@ -215,13 +243,12 @@ def comparison_tables(reports: dict[str, dict[str, Any]]) -> list[ReportTable]:
     per_workload = []
     workloads = list(next(iter(reports.values()))["workloads"]) if reports else []
     for workload in workloads:
-        row: dict[str, Any] = {"workload": workload}
-        for connector, report in reports.items():
-            summary = report["workloads"].get(workload)
-            row[connector] = (
-                None if summary is None else f"{_pct(summary['efficiency'])} / {_ms(summary['ttft_ms_p50'])}"
-            )
-        per_workload.append(row)
+        summaries = {connector: report["workloads"].get(workload) for connector, report in reports.items()}
+        per_workload.append(_efficiency_row(workload, summaries))
+        engines = dict.fromkeys(engine for summary in summaries.values() for engine in _engines_of(summary))
+        for engine in engines:
+            by_engine = {connector: _engines_of(summary).get(engine) for connector, summary in summaries.items()}
+            per_workload.append(_efficiency_row(_engine_label(workload, engine), by_engine))
     return [
         ReportTable(
             "kvtool bench --compare (same seeded workload on each connector)",
@@ -230,6 +257,18 @@ def comparison_tables(reports: dict[str, dict[str, Any]]) -> list[ReportTable]:
         ),
         ReportTable("per workload: efficiency / TTFT p50 ms", ["workload", *reports], per_workload),
     ]
+
+
+def _engines_of(summary: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+    return (summary or {}).get("engines", {})
+
+
+def _efficiency_row(name: str, summaries: dict[str, dict[str, Any] | None]) -> dict[str, Any]:
+    """One row of the per-workload comparison: efficiency / TTFT p50 on each connector."""
+    row: dict[str, Any] = {"workload": name}
+    for connector, summary in summaries.items():
+        row[connector] = None if summary is None else f"{_pct(summary['efficiency'])} / {_ms(summary['ttft_ms_p50'])}"
+    return row
 
 
 def bench_report(reports: dict[str, dict[str, Any]], document: dict[str, Any], compare: bool) -> Report:

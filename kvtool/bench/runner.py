@@ -24,7 +24,8 @@ from kvtool.procs import http_ok
 from kvtool.verify import compare_answers
 
 from .config import TOP_LOGPROBS, BenchConfig
-from .workloads.base import FIRST_TOKEN_ID, Step
+from .oracle import run_ideals
+from .workloads.base import FIRST_TOKEN_ID, Step, Target, Transcript
 
 KEY_COUNT_QUIET_S = 0.5  # vllm-mooncake-store gives no durability signal: wait for the store to go quiet
 KEY_COUNT_POLL_S = 0.1
@@ -51,6 +52,9 @@ def check_reachable(pair: PairInfo) -> None:
 
 @dataclass(frozen=True)
 class ConsumerResult:
+    """A request whose reuse is measured: a consumer request, or, in a workload measured on both
+    engines (chat), a producer request too (``engine``; its TTFT is its latency, ``max_tokens=1``)."""
+
     workload: str
     step: int
     label: str
@@ -65,6 +69,7 @@ class ConsumerResult:
     max_logprob_diff: float | None
     mismatch: str = ""
     lookup: str | None = None
+    engine: Target = "consumer"
 
 
 @dataclass(frozen=True)
@@ -83,6 +88,12 @@ class WorkloadRun:
     producers: list[ProducerResult] = field(default_factory=list)
     durability_waits_ms: list[float] = field(default_factory=list)
     durability_timeouts: int = 0
+    measured_producers: list[ConsumerResult] = field(default_factory=list)  # chat: the producer's hits
+
+    @property
+    def measured(self) -> list[ConsumerResult]:
+        """Every request whose reuse was measured, on either engine, in the order they ran."""
+        return sorted([*self.consumers, *self.measured_producers], key=lambda result: result.step)
 
 
 # ---- hit attribution ------------------------------------------------------------------------
@@ -145,11 +156,26 @@ def cached_tokens_hit(response: dict[str, Any]) -> Hit:
     return Hit(cached, cached, 0)
 
 
+def answer_token_ids(response: dict[str, Any]) -> tuple[int, ...] | None:
+    """The token ids choice 0 generated: its ``token_ids`` (``return_token_ids``; a streamed response
+    has them per chunk, merged by kvtool.client into ``chunks``), else its logprob tokens when written
+    as ``token_id:N`` (``return_tokens_as_token_ids``); None when the response has neither."""
+    choices = [c for part in response.get("chunks") or [response] for c in part.get("choices") or []]
+    choices = [c for c in choices if c.get("index", 0) == 0]
+    if any(c.get("token_ids") is not None for c in choices):
+        return tuple(token for c in choices for token in c.get("token_ids") or ())
+    tokens = ((response.get("choices") or [{}])[0].get("logprobs") or {}).get("tokens") or []
+    if tokens and all(str(token).startswith("token_id:") for token in tokens):
+        return tuple(int(str(token)[len("token_id:") :]) for token in tokens)
+    return None
+
+
 # ---- durability -----------------------------------------------------------------------------
 
 
 class Durability:
-    """Waits, before a consumer request, until the producer's earlier saves are in the store."""
+    """Waits, before a request that reuses earlier ones, until their saves are in the store: the
+    producer's prompt saves, and (chat) the consumer's answer saves."""
 
     def __init__(self, pair: PairInfo, timeout_s: float) -> None:
         self._pair = pair
@@ -160,13 +186,22 @@ class Durability:
     def published(self, response: dict[str, Any]) -> int | None:
         """Note a producer response; returns the number of objects it saves when the connector says."""
         details = (response.get("kv_transfer_params") or {}).get("kvtool")
-        if details is not None:
-            if details.get("save_last_key"):
-                self._pending_keys.append(details["save_last_key"])
-            return details.get("save_objects")
-        if profile(self._pair.connector).durability == "key_count":
+        self._expect(details.get("save_last_key") if details else None, signalled=details is not None)
+        return details.get("save_objects") if details else None
+
+    def answered(self, record: HitDetails | None) -> None:
+        """Note a consumer request a later request reuses: its answer save, by the kvtool connector's
+        ``answer_last_key`` (none: it saved no answer), else by the fallback when the consumer saves
+        at all (roles both; a kv_consumer never does)."""
+        last_key = record.answer_last_key if record else None
+        self._expect(last_key, signalled=record is not None, saves=self._pair.roles == "both")
+
+    def _expect(self, last_key: str | None, signalled: bool, saves: bool = True) -> None:
+        """A save to wait for: its last key when the connector gives one, else the key-count fallback."""
+        if last_key:
+            self._pending_keys.append(last_key)
+        elif not signalled and saves and profile(self._pair.connector).durability == "key_count":
             self._pending_unsignalled = True
-        return None
 
     def wait(self) -> tuple[float, bool] | None:
         """Block until pending saves are durable: (milliseconds waited, timed out), None when nothing was pending."""
@@ -207,6 +242,28 @@ class Durability:
 Advance = Callable[[str], None]
 
 
+@dataclass(frozen=True)
+class Exchange:
+    """One request as sent and answered, with the kvtool connector's log line for it when read."""
+
+    prompt: tuple[int, ...]
+    response: dict[str, Any]
+    record: HitDetails | None
+    answer: tuple[int, ...] | None  # the generated token ids, when the response gave them
+
+
+def request_log_readers(pair: PairInfo) -> dict[str, RequestLogReader]:
+    """Each engine's kvtool request log, by role: where a measured request's hits are read."""
+    if profile(pair.connector).hits_from != "request_log" or not pair.request_logs:
+        return {}
+    return {role: RequestLogReader(Path(path)) for role, path in pair.request_logs.items()}
+
+
+def reused_steps(steps: list[Step]) -> set[int]:
+    """The steps some later step means to reuse the saves of (``depends_on``)."""
+    return {earlier for step in steps for earlier in step.depends_on}
+
+
 class PairRunner:
     """Runs workloads against one pair, one request at a time."""
 
@@ -216,11 +273,7 @@ class PairRunner:
         # A per-run salt keeps this run's prompts apart from an earlier run's on the same pair.
         self.run_id = uuid.uuid4().hex[:12]
         self.salt = f"kvtool-bench-{self.run_id}"
-        self.request_log = (
-            RequestLogReader(Path(pair.request_logs["consumer"]))
-            if profile(pair.connector).hits_from == "request_log" and pair.request_logs
-            else None
-        )
+        self.request_logs = request_log_readers(pair)
 
     def warm_up(self) -> None:
         """One untimed request to each engine, so that the first measured one pays no warm-up."""
@@ -232,88 +285,131 @@ class PairRunner:
                 url, self.pair.model, warm_prompt, 2, stream=True, extra=extra, timeout_s=self.config.request_timeout_s
             )
 
-    def run(self, name: str, steps: list[Step], ideal: dict[int, int], advance: Advance) -> WorkloadRun:
+    def run(self, name: str, steps: list[Step], ideal: dict[int, int] | None, advance: Advance) -> WorkloadRun:
+        """Send the steps in order. ``ideal``: the planned ideals of the consumer steps (the steps
+        measured), or None for a workload whose prompts continue answers: every step is measured,
+        against an oracle fed with what each request sent and generated."""
         run = WorkloadRun(name)
+        ideals = run_ideals(ideal, self.pair.block_size, self.pair.hash_unit)
         durability = Durability(self.pair, self.config.durability_timeout_s)
+        transcript = Transcript()
+        reused = reused_steps(steps)
         for index, step in enumerate(steps):
-            if step.target == "producer":
-                run.producers.append(self._produce(name, index, step, durability))
-            else:
-                waited = durability.wait()
-                if waited is not None:
-                    run.durability_waits_ms.append(waited[0])
-                    run.durability_timeouts += waited[1]
-                run.consumers.append(self._consume(name, index, step, ideal[index]))
+            prompt = transcript.resolve(index, step)
+            if step.waits_for_saves:
+                self._wait(durability, run)
+            ideal_tokens = ideals.of(index, prompt)
+            exchange = self._send(name, index, step, prompt, ideal_tokens is not None, needs_answer=ideal is None)
+            if exchange.answer is not None:
+                transcript.answered(index, exchange.answer)
+            self._record(run, name, index, step, exchange, ideal_tokens, durability)
+            ideals.ran(prompt, exchange.answer or ())
+            if step.target == "consumer" and index in reused:
+                durability.answered(exchange.record)
             advance(step.target)
         return run
+
+    @staticmethod
+    def _wait(durability: Durability, run: WorkloadRun) -> None:
+        waited = durability.wait()
+        if waited is not None:
+            run.durability_waits_ms.append(waited[0])
+            run.durability_timeouts += waited[1]
 
     def _extra(self) -> dict[str, Any]:
         return {"cache_salt": self.salt, "return_tokens_as_token_ids": True}
 
-    def _produce(self, name: str, index: int, step: Step, durability: Durability) -> ProducerResult:
-        response = complete(
-            self.pair.producer,
-            self.pair.model,
-            list(step.prompt),
-            step.max_tokens,
-            extra=self._extra(),
-            timeout_s=self.config.request_timeout_s,
-        )
-        saved = durability.published(response)
-        latency_ms = response["kvtool_timing"]["total_s"] * 1000.0
-        return ProducerResult(name, index, len(step.prompt), latency_ms, saved)
-
-    def _consume(self, name: str, index: int, step: Step, ideal_tokens: int) -> ConsumerResult:
+    def _send(
+        self, name: str, index: int, step: Step, prompt: tuple[int, ...], measured: bool, needs_answer: bool
+    ) -> Exchange:
+        """The step's request: a consumer's streamed (TTFT), tagged when its hits are read from a request
+        log, with the generated token ids asked for when a later prompt or the oracle needs them."""
+        consumer = step.target == "consumer"
+        url = self.pair.consumer if consumer else self.pair.producer
+        reader = self.request_logs.get(step.target) if measured else None
         tag = f"{self.run_id}-{name}-{index}"
-        logprobs = TOP_LOGPROBS if self.config.verify else None
-        answer = complete(
-            self.pair.consumer,
+        response = complete(
+            url,
             self.pair.model,
-            list(step.prompt),
+            list(prompt),
             step.max_tokens,
-            logprobs=logprobs,
-            stream=True,
-            kv_transfer_params={"kvtool_tag": tag} if self.request_log is not None else None,
-            extra=self._extra(),
+            logprobs=TOP_LOGPROBS if consumer and self.config.verify else None,
+            stream=consumer,
+            kv_transfer_params={"kvtool_tag": tag} if reader is not None else None,
+            extra={**self._extra(), "return_token_ids": True} if needs_answer else self._extra(),
             timeout_s=self.config.request_timeout_s,
         )
-        hit = cached_tokens_hit(answer)
-        if self.request_log is not None:
-            record = self.request_log.record(tag)
-            if record is None:
-                raise ServerError(
-                    f"the consumer's request log {self.pair.request_logs and self.pair.request_logs['consumer']} "
-                    f"has no line for request {tag}; is the consumer running the kvtool connector?"
-                )
-            hit = kvtool_hit(record)
-        matched, diff, reason = None, None, ""
-        if self.config.verify:
-            # prompt_logprobs makes vLLM skip every cache: the reference is a full recomputation.
-            reference = complete(
-                self.pair.consumer,
-                self.pair.model,
-                list(step.prompt),
-                step.max_tokens,
-                logprobs=TOP_LOGPROBS,
-                prompt_logprobs=1,
-                extra=self._extra(),
-                timeout_s=self.config.request_timeout_s,
+        record = self._log_record(step.target, reader, tag) if reader is not None else None
+        answer = answer_token_ids(response)
+        if answer is None and needs_answer:
+            raise ServerError(
+                f"the {step.target} at {url} returned no generated token ids (return_token_ids); "
+                f"workload {name} continues answers and needs them"
             )
-            comparison = compare_answers(answer, reference, self.config.tolerance)
-            matched, diff, reason = comparison.matches, comparison.max_logprob_diff, comparison.reason
+        return Exchange(prompt, response, record, answer)
+
+    def _log_record(self, engine: Target, reader: RequestLogReader, tag: str) -> HitDetails:
+        record = reader.record(tag)
+        if record is None:
+            log = (self.pair.request_logs or {}).get(engine)
+            raise ServerError(
+                f"the {engine}'s request log {log} has no line for request {tag}; "
+                f"is the {engine} running the kvtool connector?"
+            )
+        return record
+
+    def _record(
+        self,
+        run: WorkloadRun,
+        name: str,
+        index: int,
+        step: Step,
+        exchange: Exchange,
+        ideal_tokens: int | None,
+        durability: Durability,
+    ) -> None:
+        """What the step's request adds to the run: a producer's latency and save, a measured hit."""
+        if step.target == "producer":
+            saved = durability.published(exchange.response)
+            latency_ms = exchange.response["kvtool_timing"]["total_s"] * 1000.0
+            run.producers.append(ProducerResult(name, index, len(exchange.prompt), latency_ms, saved))
+        if ideal_tokens is not None:
+            measured = self._measure(name, index, step, exchange, ideal_tokens)
+            (run.consumers if step.target == "consumer" else run.measured_producers).append(measured)
+
+    def _measure(self, name: str, index: int, step: Step, exchange: Exchange, ideal_tokens: int) -> ConsumerResult:
+        hit = kvtool_hit(exchange.record) if exchange.record is not None else cached_tokens_hit(exchange.response)
+        verified = step.target == "consumer" and self.config.verify
+        matched, diff, reason = self._verify(step, exchange) if verified else (None, None, "")
         return ConsumerResult(
             workload=name,
             step=index,
             label=step.label,
-            prompt_tokens=len(step.prompt),
+            prompt_tokens=len(exchange.prompt),
             ideal_tokens=ideal_tokens,
             hit_tokens=hit.tokens,
             block_hit_tokens=hit.block_tokens,
             tail_hit_tokens=hit.tail_tokens,
-            ttft_ms=answer["kvtool_timing"]["ttft_s"] * 1000.0,
-            verified=self.config.verify,
+            ttft_ms=exchange.response["kvtool_timing"]["ttft_s"] * 1000.0,
+            verified=verified,
             matched=matched,
             max_logprob_diff=diff if diff is None or diff != float("inf") else None,
             mismatch=reason,
             lookup=hit.lookup,
+            engine=step.target,
         )
+
+    def _verify(self, step: Step, exchange: Exchange) -> tuple[bool, float, str]:
+        """The answer compared with a recomputation (prompt_logprobs makes vLLM skip every cache)."""
+        reference = complete(
+            self.pair.consumer,
+            self.pair.model,
+            list(exchange.prompt),
+            step.max_tokens,
+            logprobs=TOP_LOGPROBS,
+            prompt_logprobs=1,
+            extra=self._extra(),
+            timeout_s=self.config.request_timeout_s,
+        )
+        comparison = compare_answers(exchange.response, reference, self.config.tolerance)
+        return comparison.matches, comparison.max_logprob_diff, comparison.reason

@@ -28,7 +28,7 @@ def bench_command(
         typer.Option(
             "--workload",
             "-w",
-            help="sub-block, cross-block, shared-prefix, multi-turn, max-tokens-1, prefix-repetition or "
+            help="sub-block, cross-block, shared-prefix, multi-turn, chat, max-tokens-1, prefix-repetition or "
             "trace:PATH; repeat for several \\[default: sub-block]",
         ),
     ] = None,

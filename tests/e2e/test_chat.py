@@ -22,7 +22,8 @@ ANSWER = 20  # generated tokens a turn: the answer ends inside a block, past the
 def both_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     """A tiny pair whose engines are both kv_both and save their answers (serve-pair --roles both), with
     a pointer at every token inside stored objects (--divergence-grid 1)."""
-    with running_pair(tmp_path_factory.mktemp("both-pair"), roles="both", extra_args=("--divergence-grid", "1")) as info:
+    workdir = tmp_path_factory.mktemp("both-pair")
+    with running_pair(workdir, roles="both", extra_args=("--divergence-grid", "1")) as info:
         yield info
 
 

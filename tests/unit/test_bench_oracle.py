@@ -22,6 +22,7 @@ def naive_common_prefix(a, b):
 @given(a=tokens, b=tokens)
 def test_common_prefix_length_matches_the_definition(a, b):
     assert common_prefix_length(a, b) == naive_common_prefix(a, b)
+    assert common_prefix_length(a, tuple(b)) == naive_common_prefix(a, b)  # a prompt sent vs one planned
 
 
 @settings(max_examples=200)

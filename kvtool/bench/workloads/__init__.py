@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 
-from .base import Step, Target, Workload, WorkloadShape
+from .base import Ref, Step, Target, Transcript, Workload, WorkloadShape
+from .chat import Chat
 from .cross_block import CrossBlock
 from .max_tokens_1 import MaxTokensOne
 from .multi_turn import MultiTurn
@@ -12,10 +13,21 @@ from .shared_prefix import SharedPrefix
 from .sub_block import SubBlock
 from .trace import TraceReplay
 
-__all__ = ["Step", "Target", "Workload", "WorkloadShape", "WORKLOADS", "TRACE_PREFIX", "TraceReplay", "workload_names"]
+__all__ = [
+    "Ref",
+    "Step",
+    "Target",
+    "Transcript",
+    "Workload",
+    "WorkloadShape",
+    "WORKLOADS",
+    "TRACE_PREFIX",
+    "TraceReplay",
+    "workload_names",
+]
 
 WORKLOADS: dict[str, type[Workload]] = {
-    cls.name: cls for cls in (SubBlock, CrossBlock, SharedPrefix, MultiTurn, MaxTokensOne, PrefixRepetition)
+    cls.name: cls for cls in (SubBlock, CrossBlock, SharedPrefix, MultiTurn, MaxTokensOne, PrefixRepetition, Chat)
 }
 TRACE_PREFIX = "trace:"
 

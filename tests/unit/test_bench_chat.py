@@ -1,0 +1,403 @@
+"""The chat workload: turns that continue the model's real answers, resolved as the run goes, hits
+measured on both engines against everything computed before (no pair: a fake engine answers)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from connector.hits import HitDetails
+from kvtool.bench.command import plan_workloads
+from kvtool.bench.config import BenchConfig, build_workload
+from kvtool.bench.oracle import (
+    PlannedIdeals,
+    ReuseOracle,
+    computed_tokens,
+    ideal_hit,
+    ideal_hits,
+    on_reuse_grid,
+    run_ideals,
+)
+from kvtool.bench.report import bench_document, bench_report, connector_report
+from kvtool.bench.runner import (
+    ConsumerResult,
+    Durability,
+    PairInfo,
+    PairRunner,
+    ProducerResult,
+    WorkloadRun,
+    answer_token_ids,
+)
+from kvtool.bench.workloads import WORKLOADS, Ref, Step, Transcript, WorkloadShape
+from kvtool.bench.workloads.base import longest_prompts, prompts_known
+from kvtool.bench.workloads.chat import Chat
+from tests.unit.test_cli_output import assert_fits, rendered
+
+SHAPE = WorkloadShape(block_size=16, vocab_size=512, requests=7, max_tokens=6, max_prompt_tokens=1000, seed=5)
+tokens = st.lists(st.integers(0, 3), max_size=40)
+
+
+def fake_answer(prompt: tuple[int, ...], max_tokens: int) -> tuple[int, ...]:
+    """A deterministic "model": the answer is a function of the prompt, sometimes shorter (an EOS)."""
+    length = 1 + sum(prompt) % max_tokens
+    return tuple(3 + (sum(prompt) * 7 + i) % 97 for i in range(length))
+
+
+def resolve_all(steps: list[Step]) -> list[tuple[int, ...]]:
+    """Every step's prompt as a run sends it, with ``fake_answer`` as each step's answer."""
+    transcript, prompts = Transcript(), []
+    for index, step in enumerate(steps):
+        prompts.append(transcript.resolve(index, step))
+        transcript.answered(index, fake_answer(prompts[-1], step.max_tokens))
+    return prompts
+
+
+# ---- the workload ---------------------------------------------------------------------------
+
+
+def test_chat_is_registered_and_alternates_prefill_and_answer():
+    assert "chat" in WORKLOADS
+    steps = build_workload("chat", BenchConfig()).steps(SHAPE)
+    assert sum(1 for s in steps if s.target == "consumer") == SHAPE.requests
+    assert not prompts_known(steps)
+    for index, step in enumerate(steps):
+        if step.target == "producer":
+            assert step.max_tokens == 1 and step.prompt  # the turn's new tokens: P_0 or a user message
+            assert steps[index + 1].history == (Ref(index, "prompt"),)  # the consumer answers that prompt
+        else:
+            assert step.prompt == () and step.depends_on == (index - 1,) and step.max_tokens == SHAPE.max_tokens
+        if step.history and step.target == "producer":  # a later turn: the previous turn and its answer
+            (answer,) = step.depends_on
+            assert step.history == (Ref(answer, "prompt"), Ref(answer, "answer"))
+
+
+def test_a_conversation_starts_mid_block_and_has_at_most_its_turns():
+    steps = Chat(turns_per_chat=2).steps(SHAPE)
+    openings = [s for s in steps if s.target == "producer" and not s.history]
+    assert all(len(s.prompt) % SHAPE.block_size for s in openings)
+    assert len(openings) == -(-SHAPE.requests // 2)
+
+
+def test_turns_continue_the_real_answers():
+    steps = Chat().steps(SHAPE)
+    prompts = resolve_all(steps)
+    for index, step in enumerate(steps):
+        if step.target == "consumer":
+            assert prompts[index] == prompts[index - 1]  # the prompt the producer prefilled
+        elif step.history:
+            previous = step.depends_on[0]
+            answer = fake_answer(prompts[previous], steps[previous].max_tokens)
+            assert prompts[index] == prompts[previous] + answer + step.prompt
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    max_prompt=st.integers(40, 200),
+    max_tokens=st.integers(1, 16),
+    requests=st.integers(1, 9),
+    seed=st.integers(0, 1000),
+)
+def test_no_resolved_prompt_exceeds_the_engine_limit(max_prompt, max_tokens, requests, seed):
+    shape = WorkloadShape(16, 64, requests, max_tokens, max_prompt, seed)
+    steps = Chat().steps(shape)
+    longest = longest_prompts(steps)
+    assert max(longest) <= max_prompt
+    for prompt, bound in zip(resolve_all(steps), longest, strict=True):
+        assert 0 < len(prompt) <= bound
+
+
+def test_the_transcript_refuses_an_answer_it_does_not_have():
+    steps = [Step("consumer", (5, 6), 2), Step("producer", (7,), 1, (0,), history=(Ref(0, "answer"),))]
+    transcript = Transcript()
+    transcript.resolve(0, steps[0])
+    with pytest.raises(ValueError, match="step 1 continues step 0's answer"):
+        transcript.resolve(1, steps[1])
+    transcript.answered(0, (9, 9))
+    assert transcript.resolve(1, steps[1]) == (9, 9, 7)
+
+
+def test_the_plan_leaves_chat_ideals_to_the_run_and_bounds_its_prompts():
+    config = BenchConfig(workloads=("chat", "sub-block"), requests=3, max_tokens=4)
+    chat, sub_block = plan_workloads(config, block_size=16, hash_unit=1, vocab_size=64, max_model_len=120)
+    assert chat.ideal is None and sub_block.ideal is not None
+    assert max(longest_prompts(chat.steps)) <= 120 - 4 - 1
+    with pytest.raises(ValueError, match="fed at run time"):
+        ideal_hits(chat.steps, 16, 1)
+
+
+# ---- the oracle -----------------------------------------------------------------------------
+
+
+def test_computed_tokens_leave_out_the_last_generated_token():
+    assert computed_tokens((1, 2), (3, 4, 5)) == (1, 2, 3, 4)
+    assert computed_tokens((1, 2), (3,)) == (1, 2)  # max_tokens=1: only the prompt
+    assert computed_tokens((1, 2), ()) == (1, 2)
+
+
+def test_chat_ideals_are_the_previous_turn_and_answer_on_the_producer_and_all_on_the_consumer():
+    p0, a0, m1 = tuple(range(10, 30)), (50, 51, 52, 53), (60, 61, 62)
+    oracle = ReuseOracle(block_size=8, hash_unit=1)
+    assert oracle.of(0, p0) == 0
+    oracle.ran(p0, (40,))  # the producer prefills P_0 (max_tokens=1)
+    assert oracle.of(1, p0) == len(p0) - 1
+    oracle.ran(p0, a0)  # the consumer answers A_0
+    p1 = p0 + a0 + m1
+    assert oracle.of(2, p1) == len(p0) + len(a0) - 1
+    coarse = ReuseOracle(block_size=8, hash_unit=8)
+    coarse.ran(p0, a0)
+    assert coarse.of(0, p1) == on_reuse_grid(len(p0) + len(a0) - 1, 8, 8) == 16
+
+
+@settings(max_examples=200)
+@given(
+    requests=st.lists(st.tuples(tokens, tokens), max_size=5),
+    prompt=tokens,
+    block=st.sampled_from([4, 8]),
+    unit=st.integers(1, 8),
+)
+def test_the_oracle_is_the_ideal_over_everything_computed_before(requests, prompt, block, unit):
+    unit = min(unit, block)
+    oracle = ReuseOracle(block, unit)
+    for earlier_prompt, answer in requests:
+        oracle.ran(earlier_prompt, answer)
+    computed = [(*p, *a[:-1]) for p, a in requests]
+    ideal = oracle.of(len(requests), prompt)
+    assert ideal == ideal_hit(prompt, computed, block, unit)
+
+    # By enumeration: the longest boundary on the grid that something computed shares, capped.
+    def reusable(boundary: int) -> bool:
+        on_grid = boundary % unit == 0 or boundary % block == 0
+        return on_grid and any(tuple(prompt[:boundary]) == c[:boundary] for c in computed)
+
+    best = max((b for b in range(len(prompt) + 1) if reusable(b)), default=0)
+    assert ideal == min(best, max(0, len(prompt) - 1))
+    oracle.ran((), ())
+    assert oracle.of(0, prompt) == ideal  # more to reuse never lowers an ideal
+
+
+def test_run_ideals_are_planned_or_fed():
+    planned = run_ideals({1: 7}, 8, 1)
+    assert isinstance(planned, PlannedIdeals)
+    assert (planned.of(0, (1, 2)), planned.of(1, (1, 2))) == (None, 7)
+    assert isinstance(run_ideals(None, 8, 1), ReuseOracle)
+
+
+# ---- answers and durability -----------------------------------------------------------------
+
+
+def test_answer_token_ids_from_a_response_a_stream_or_logprobs():
+    assert answer_token_ids({"choices": [{"index": 0, "token_ids": [5, 6]}]}) == (5, 6)
+    streamed = {
+        "choices": [{"index": 0, "text": "ab"}],
+        "chunks": [
+            {"choices": [{"index": 0, "text": "a", "token_ids": [5], "prompt_token_ids": [1, 2]}]},
+            {"choices": [{"index": 0, "text": "b", "token_ids": [6, 7]}]},
+            {"choices": [], "usage": {"prompt_tokens": 2}},
+        ],
+    }
+    assert answer_token_ids(streamed) == (5, 6, 7)
+    by_logprobs = {"choices": [{"index": 0, "logprobs": {"tokens": ["token_id:8", "token_id:9"]}}]}
+    assert answer_token_ids(by_logprobs) == (8, 9)
+    assert answer_token_ids({"choices": [{"index": 0, "logprobs": {"tokens": ["a"]}}]}) is None
+    assert answer_token_ids({"choices": [{"index": 0, "text": "x"}]}) is None
+
+
+def ready(connector: str, roles: str | None = "both", logs: dict[str, str] | None = None) -> PairInfo:
+    return PairInfo(
+        producer="http://producer",
+        consumer="http://consumer",
+        model="m",
+        block_size=16,
+        hash_unit=1,
+        max_model_len=1024,
+        connector=connector,
+        roles=roles,
+        admin="http://admin",
+        request_logs=logs,
+    )
+
+
+@pytest.fixture
+def waited(monkeypatch) -> list[str]:
+    """The keys the bench waits for; "key count" for a wait on the master's key count."""
+    keys: list[str] = []
+    monkeypatch.setattr("kvtool.bench.runner.wait_for_key", lambda _admin, key, _timeout: keys.append(key) or True)
+    monkeypatch.setattr(Durability, "_wait_key_count_quiet", lambda _self: keys.append("key count") or True)
+    return keys
+
+
+@pytest.mark.parametrize(
+    ("connector", "roles", "record", "expected"),
+    [
+        ("kvtool", "both", HitDetails(9, "hit", answer_tokens=12, answer_last_key="k"), ["k"]),
+        ("kvtool", "pd", HitDetails(9, "hit"), []),  # no answer save: nothing to wait for
+        ("vllm-mooncake-store", "both", None, ["key count"]),
+        ("vllm-mooncake-store", "pd", None, []),  # a kv_consumer saves nothing
+        ("none", None, None, []),
+    ],
+)
+def test_an_answer_save_is_waited_for_when_there_is_one(waited, connector, roles, record, expected):
+    durability = Durability(ready(connector, roles), timeout_s=1.0)
+    durability.answered(record)
+    assert (durability.wait() is None) == (not expected)
+    assert waited == expected
+
+
+# ---- a run against a fake pair --------------------------------------------------------------
+
+
+@dataclass
+class FakePair:
+    """Answers /v1/completions like a pair would: ``fake_answer`` tokens, streamed in two chunks
+    for a streamed request, and a kvtool request-log line for a tagged one."""
+
+    connector: str
+    logs: dict[str, Path]
+    waited: list[str]
+    sent: list[dict[str, Any]]
+
+    def complete(self, url: str, model: str, prompt: list[int], max_tokens: int, **options: Any) -> dict[str, Any]:
+        engine = "producer" if "producer" in url else "consumer"
+        extra = options.get("extra") or {}
+        answer = list(fake_answer(tuple(prompt), max_tokens))
+        self.sent.append({"engine": engine, "prompt": tuple(prompt), "waited": list(self.waited), **options})
+        choice: dict[str, Any] = {"index": 0, "text": "x" * len(answer)}
+        if extra.get("return_token_ids"):
+            choice["token_ids"] = answer
+        if options.get("logprobs"):
+            names = [f"token_id:{t}" for t in answer]
+            choice["logprobs"] = {"tokens": names, "top_logprobs": [{name: -0.5} for name in names]}
+        response: dict[str, Any] = {
+            "choices": [choice],
+            "usage": {"prompt_tokens_details": {"cached_tokens": 16}},
+            "kvtool_timing": {"ttft_s": 0.01, "total_s": 0.02},
+        }
+        if engine == "producer" and self.connector == "kvtool":
+            response["kv_transfer_params"] = {"kvtool": {"save_last_key": f"save-{len(prompt)}", "save_objects": 1}}
+        tag = (options.get("kv_transfer_params") or {}).get("kvtool_tag")
+        if tag is not None:
+            self._log(engine, tag, len(prompt), len(answer))
+        if options.get("stream") and "token_ids" in choice:
+            ids = choice.pop("token_ids")  # kvtool.client's merged choice has none; its chunks have them
+            response["chunks"] = [{"choices": [{"index": 0, "token_ids": part}]} for part in (ids[:1], ids[1:])]
+        return response
+
+    def _log(self, engine: str, tag: str, prompt_tokens: int, answer_tokens: int) -> None:
+        # The consumer saves its answer (roles both); the fake's last key of that save is the tag.
+        saved = (
+            {"answer_tokens": prompt_tokens + answer_tokens - 1, "answer_last_key": tag} if engine == "consumer" else {}
+        )
+        record = HitDetails(
+            prompt_tokens, "hit", local_hit_tokens=16, external_hit_tokens=5, tail_hit_tokens=5, tag=tag, **saved
+        )
+        with open(self.logs[engine], "a") as log:
+            log.write(json.dumps(record.to_dict()) + "\n")
+
+
+def run_chat(tmp_path: Path, monkeypatch, waited: list[str], connector: str, verify: bool = False):
+    logs = {engine: tmp_path / f"{engine}-requests.jsonl" for engine in ("producer", "consumer")}
+    fake = FakePair(connector, logs, waited, [])
+    monkeypatch.setattr("kvtool.bench.runner.complete", fake.complete)
+    pair = ready(connector, logs={engine: str(path) for engine, path in logs.items()})
+    steps = Chat().steps(SHAPE)
+    run = PairRunner(pair, BenchConfig(verify=verify)).run("chat", steps, None, lambda _target: None)
+    return steps, run, [request for request in fake.sent if request.get("prompt_logprobs") is None]
+
+
+def test_a_kvtool_run_measures_both_engines_from_their_request_logs(tmp_path, monkeypatch, waited):
+    steps, run, sent = run_chat(tmp_path, monkeypatch, waited, "kvtool", verify=True)
+    assert [request["engine"] for request in sent] == [step.target for step in steps]
+    assert [request["prompt"] for request in sent] == resolve_all(steps)
+    assert all(request["extra"]["return_token_ids"] for request in sent)
+    assert len(run.consumers) == SHAPE.requests and len(run.measured_producers) == len(run.producers)
+    assert all(c.matched for c in run.consumers) and not any(p.verified for p in run.measured_producers)
+    assert {(r.engine, r.hit_tokens, r.tail_hit_tokens) for r in run.measured} == {
+        ("producer", 21, 5),
+        ("consumer", 21, 5),
+    }
+    oracle = ReuseOracle(16, 1)
+    for result in run.measured:
+        step, prompt = steps[result.step], sent[result.step]["prompt"]
+        assert result.engine == step.target and result.prompt_tokens == len(prompt)
+        assert result.ideal_tokens == oracle.of(result.step, prompt)
+        oracle.ran(prompt, fake_answer(prompt, step.max_tokens))
+        if step.target == "consumer":
+            assert result.ideal_tokens == len(prompt) - 1
+            assert sent[result.step]["waited"][-1] == f"save-{len(prompt)}"  # the producer's save of P_t
+        elif step.history:
+            previous = step.depends_on[0]
+            answer = fake_answer(sent[previous]["prompt"], SHAPE.max_tokens)
+            assert result.ideal_tokens == len(sent[previous]["prompt"]) + len(answer) - 1
+            # Before turn t+1 the consumer's answer save of turn t is durable (its key is the tag here).
+            assert sent[result.step]["waited"][-1].endswith(f"-chat-{previous}")
+
+
+def test_without_the_kvtool_connector_hits_come_from_usage(tmp_path, monkeypatch, waited):
+    _, run, sent = run_chat(tmp_path, monkeypatch, waited, "none")
+    assert all(request.get("kv_transfer_params") is None for request in sent)
+    assert {(r.hit_tokens, r.tail_hit_tokens) for r in run.measured} == {(16, 0)}
+    assert waited == []
+
+
+def test_static_workloads_measure_only_the_consumer(tmp_path, monkeypatch, waited):
+    logs = {engine: tmp_path / f"{engine}.jsonl" for engine in ("producer", "consumer")}
+    fake = FakePair("kvtool", logs, waited, [])
+    monkeypatch.setattr("kvtool.bench.runner.complete", fake.complete)
+    steps = build_workload("multi-turn", BenchConfig()).steps(SHAPE)
+    pair = ready("kvtool", logs={engine: str(path) for engine, path in logs.items()})
+    run = PairRunner(pair, BenchConfig(verify=False)).run("w", steps, ideal_hits(steps, 16, 1), lambda _: None)
+    assert not run.measured_producers and len(run.consumers) == SHAPE.requests
+    assert all(r.get("kv_transfer_params") is None for r in fake.sent if r["engine"] == "producer")
+    assert all("return_token_ids" not in r["extra"] for r in fake.sent)
+    assert waited and all(key.startswith("save-") for key in waited)  # no consumer's answer save is waited on
+
+
+# ---- the report -----------------------------------------------------------------------------
+
+
+def measured(step: int, engine: str, prompt: int, ideal: int, hit: int) -> ConsumerResult:
+    consumer = engine == "consumer"
+    return ConsumerResult(
+        "chat", step, "x", prompt, ideal, hit, hit, 0, 10.0 + step, consumer, consumer or None, 0.0, engine=engine
+    )
+
+
+def chat_run() -> WorkloadRun:
+    consumers = [measured(1, "consumer", 40, 39, 32), measured(3, "consumer", 90, 89, 64)]
+    producers = [measured(0, "producer", 40, 0, 0), measured(2, "producer", 90, 47, 32)]
+    return WorkloadRun("chat", consumers, [ProducerResult("chat", i, 40, 5.0, 2) for i in (0, 2)], [], 0, producers)
+
+
+def test_the_report_shows_each_engine_and_both():
+    report = connector_report([chat_run()], block_size=16)
+    chat = report["workloads"]["chat"]
+    assert (chat["requests"], chat["ideal_tokens"], chat["hit_tokens"]) == (4, 175, 128)
+    producer, consumer = chat["engines"]["producer"], chat["engines"]["consumer"]
+    assert producer["efficiency"] == pytest.approx(32 / 47) and consumer["efficiency"] == pytest.approx(96 / 128)
+    assert chat["ttft_ms_p50"] == consumer["ttft_ms_p50"] == 12.0  # TTFT is the consumer's
+    assert producer["ttft_ms_p50"] == 11.0 and producer["verified"] == 0
+    assert report["summary"]["engines"]["producer"]["requests"] == 2
+    assert [r["engine"] for r in report["requests"]] == ["producer", "consumer", "producer", "consumer"]
+    json.dumps(bench_document({"seed": 0}, {}, {"kvtool": report}, compare=False))
+
+
+def test_a_workload_measured_on_the_consumer_only_has_no_engine_split():
+    run = WorkloadRun("sub-block", [measured(1, "consumer", 20, 19, 0)])
+    report = connector_report([run], block_size=16)
+    assert "engines" not in report["summary"] and "engines" not in report["workloads"]["sub-block"]
+
+
+def test_chat_tables_fit_80_columns():
+    static = WorkloadRun("sub-block", [measured(1, "consumer", 20, 19, 0)])
+    report = connector_report([static, chat_run()], block_size=16)
+    text = rendered(bench_report({"kvtool": report}, {}, compare=False), 80)
+    assert_fits(text, ("chat", "chat (producer)", "chat (consumer)", "all (producer)", "not verified"))
+    reports = {name: report for name in ("kvtool", "vllm-mooncake-store", "none")}
+    text = rendered(bench_report(reports, {}, compare=True), 80)
+    assert_fits(text, ("chat (producer)", "chat (consumer)", "68.1% / 11.0", "75.0% / 12.0"))
