@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from connector.data import KVToolMetadata, RequestLoad, RequestSave
+from connector.groups import CacheGroup, GroupKind
 from connector.hashing import RequestIdentity
 from connector.keys import KeyKind
 from connector.objects import PointerRecord, encode_pointer
@@ -163,3 +164,33 @@ def test_pointers_are_put_after_their_object_and_not_when_its_put_fails():
     save_with_pointers(store, source, STORED, (3, 5, 1))
     pointers = sorted(int(key.split("/")[-2]) for key in store.objects if "/p/" in key)
     assert pointers == [e for e in range(1, 64) if e % BLOCK]  # the blocks' pointers, none of the tail's
+
+
+def hybrid_published(tokens, groups, states=()):
+    """Every key a save of ``tokens`` puts on a hybrid layout, plus state checkpoints at ``states``."""
+    keys = PromptKeys.build(tokens, BLOCK, 1, NS.key_component(), ROOT, groups, grid=1)
+    stored = {ref.key for obj in plan_save(keys) for ref in (obj, *keys.pointers_inside(obj))}
+    return stored | {keys.state_ref(end, g.index).key for end in states for g in groups if g.kind is GroupKind.STATE}
+
+
+def hybrid_hit(stored, tokens, groups):
+    keys = PromptKeys.build(tokens, BLOCK, 1, NS.key_component(), ROOT, groups, grid=1)
+    return find_stored_prefix(keys, lambda ks: [k in stored for k in ks]).hit_tokens
+
+
+def test_a_sliding_window_model_finds_divergence_points_in_every_group():
+    groups = (CacheGroup(0, GroupKind.FULL, BLOCK), CacheGroup(1, GroupKind.SLIDING, BLOCK, window=64))
+    stored = hybrid_published(STORED, groups)
+    assert hybrid_hit(stored, diverging(70, 80), groups) == 70
+    # Without the sliding group's pointer at 70 the full-attention one alone is no hit there: the
+    # hit is the next point both groups serve.
+    keys = PromptKeys.build(STORED, BLOCK, 1, NS.key_component(), ROOT, groups, grid=1)
+    assert hybrid_hit(stored - {keys.pointer_ref(70, 1).key}, diverging(70, 80), groups) == 69
+
+
+def test_on_a_mamba_model_a_divergence_point_is_a_hit_only_where_a_state_is_stored():
+    groups = (CacheGroup(0, GroupKind.STATE, BLOCK), CacheGroup(1, GroupKind.FULL, BLOCK))
+    # States after the whole prompt and at the block boundaries vLLM retained (32, 64).
+    stored = hybrid_published(STORED, groups, states=(32, 64))
+    assert hybrid_hit(stored, diverging(70, 80), groups) == 64  # pointers at 70, but no state there
+    assert hybrid_hit(hybrid_published(STORED, groups, states=(32, 64, 70)), diverging(70, 80), groups) == 70
