@@ -33,9 +33,9 @@ class FaultPlan(BaseModel):
     fail_exists: bool = False  # existence queries fail (RPC failure)
     fail_get: bool = False  # loads find nothing (the segment's owner is gone)
     corrupt_get: Literal["flip", "truncate", "namespace"] | None = None  # what loads read back
-    get_kinds: tuple[Literal["b", "t", "s"], ...] = ("b", "t", "s")  # which objects corrupt_get spoils
+    get_kinds: tuple[Literal["b", "t", "s", "p"], ...] = ("b", "t", "s")  # which objects corrupt_get spoils
     put_outcome: Literal["no_space", "failed"] | None = None
-    put_kinds: tuple[Literal["b", "t", "s", "w"], ...] = ("b", "t", "s", "w")  # which keys put_outcome hits
+    put_kinds: tuple[Literal["b", "t", "s", "p", "w"], ...] = ("b", "t", "s", "p", "w")  # which put_outcome hits
 
 
 def _kind_of(key: str) -> str:
@@ -117,6 +117,12 @@ class FaultyStore:
         if plan.put_outcome is not None and _kind_of(key) in plan.put_kinds:
             return PutOutcome.NO_SPACE if plan.put_outcome == "no_space" else PutOutcome.FAILED
         return self._store.put(key, value)
+
+    def put_many(self, items: Sequence[tuple[str, bytes]]) -> PutOutcome:
+        plan = self._enter(self.plan().put_delay_s)
+        if plan.put_outcome is not None and any(_kind_of(key) in plan.put_kinds for key, _ in items):
+            return PutOutcome.NO_SPACE if plan.put_outcome == "no_space" else PutOutcome.FAILED
+        return self._store.put_many(items)
 
     def remove(self, key: str) -> int:
         return self._store.remove(key)

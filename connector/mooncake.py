@@ -83,6 +83,16 @@ class MooncakeStore:
         logger.debug("kvtool: put of %s returned %s", key, code)
         return PutOutcome.FAILED
 
+    def put_many(self, items: Sequence[tuple[str, bytes]]) -> PutOutcome:
+        if not items:
+            return PutOutcome.STORED
+        # One call and one code for the batch (a key already stored counts as stored, as in put).
+        code = self._client.put_batch([key for key, _ in items], [value for _, value in items])
+        if code == 0:
+            return PutOutcome.STORED
+        logger.debug("kvtool: batch put of %d objects returned %s", len(items), code)
+        return PutOutcome.NO_SPACE if code == _NO_SPACE else PutOutcome.FAILED
+
     def remove(self, key: str) -> int:
         return self._client.remove(key)
 

@@ -147,6 +147,7 @@ class Saver:
         copies = job.in_put_order()
         present = self._present([c.key for c in copies])
         failed = False
+        pointers: list[tuple[str, bytes]] = []
         for copy, found in zip(copies, present, strict=True):
             if self._stopping():
                 outcome = DROPPED_SHUTDOWN
@@ -158,23 +159,27 @@ class Saver:
                 outcome = self._put(copy.key, copy.value).value
                 if outcome == PutOutcome.STORED.value:
                     self._count("bytes_saved", len(copy.value))
-                    self._put_pointers(copy)
+                    pointers += copy.pointers
                 failed = outcome != PutOutcome.STORED.value
             job.settle(copy.transfer_number, outcome)
             self._count(f"saves_{outcome}")
             with self._lock:
                 self._held -= len(copy.value)
         job.copies = []
+        if pointers and not self._stopping():
+            self._put_pointers(pointers)
         self._put_record(job, SEQ_FINAL)
 
-    def _put_pointers(self, copy: ObjectCopy) -> None:
-        """Point to a stored object from the divergence points inside it, in order, stopping at the first
-        failure: a missing pointer is only a shorter hit for a prompt that leaves this one there."""
-        for key, record in copy.pointers:
-            outcome = self._put(key, record)
-            self._count(f"pointers_{outcome.value}")
-            if outcome is not PutOutcome.STORED:  # a put of a present key answers stored too
-                return
+    def _put_pointers(self, pointers: list[tuple[str, bytes]]) -> None:
+        """Point to the save's stored objects from the divergence points inside them: one batch put, after
+        the objects (a pointer is never stored before its object). A failed batch is only shorter hits
+        for prompts that leave these ones there."""
+        try:
+            outcome = self._store.put_many(pointers)
+        except StoreError as exc:
+            self._warn_once("put", f"kvtool: put failed, that prefix stays a miss: {exc}")
+            outcome = PutOutcome.FAILED
+        self._count(f"pointers_{outcome.value}", len(pointers))
 
     def _present(self, keys: list[str]) -> list[bool]:
         try:

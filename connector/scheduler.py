@@ -36,11 +36,11 @@ def save_transfer(keys: PromptKeys, ref: ObjectRef, block_id: int) -> BlockTrans
     return BlockTransfer(block_id, ref.kind, ref.token_start, ref.token_end, ref.chain_hash, ref.group, pointers)
 
 
-def last_put_key(keys: PromptKeys, last: ObjectRef) -> str:
-    """The key a save puts last (its last object, or that object's last pointer): once it is stored,
-    every put of the save was tried."""
-    pointers = keys.pointers_inside(last)
-    return pointers[-1].key if pointers else last.key
+def last_put_key(keys: PromptKeys, saved: list[ObjectRef]) -> str:
+    """The key a save puts last: the last pointer of its one batch of pointers (put after every object),
+    else its last object. Once it is stored, every put of the save was tried."""
+    pointers = [pointer for ref in saved for pointer in keys.pointers_inside(ref)]
+    return pointers[-1].key if pointers else saved[-1].key
 
 
 class RequestLog:
@@ -345,7 +345,7 @@ class SchedulerSide:
             )
         )
         tracked.save_objects = len(usable)
-        tracked.last_saved_key = last_put_key(tracked.keys, usable[-1][0])
+        tracked.last_saved_key = last_put_key(tracked.keys, [s for s, _ in usable])
         tails = [s.token_end for s, _ in usable if s.kind is KeyKind.TAIL]
         tracked.tail_boundary_saved = tails[0] if tails else None
 
@@ -382,7 +382,7 @@ class SchedulerSide:
             return None
         transfers = tuple(save_transfer(keys, ref, block_id) for ref, block_id in usable)
         tracked.answer_tokens, tracked.answer_objects = computed, len(usable)
-        tracked.answer_last_key = last_put_key(keys, usable[-1][0])
+        tracked.answer_last_key = last_put_key(keys, [ref for ref, _ in usable])
         self.stats["answer_saves"] += 1
         params = getattr(request, "kv_transfer_params", None) or {}
         return RequestSave(request.request_id, transfers, prompt_tokens=computed, tag=params.get("kvtool_tag"),

@@ -72,3 +72,13 @@ def test_a_batch_larger_than_the_transfer_buffer_is_split(store):
     for key, value in zip(keys, values, strict=True):
         assert store.put(key, value) is PutOutcome.STORED
     assert store.get(keys, object_bytes=1 << 20) == values
+
+
+def test_a_batch_put_stores_every_pointer_and_keeps_what_was_there(store):
+    from connector.keys import object_key
+
+    keys = [object_key(NS.key_component(), 0, KeyKind.POINTER, end, os.urandom(16)) for end in (8, 16, 24)]
+    assert store.put(keys[1], b"first") is PutOutcome.STORED
+    assert store.put_many([(key, f"pointer {i}".encode()) for i, key in enumerate(keys)]) is PutOutcome.STORED
+    assert store.get(keys) == [b"pointer 0", b"first", b"pointer 2"]  # first put wins, in a batch too
+    assert store.put_many([]) is PutOutcome.STORED

@@ -56,7 +56,7 @@ def test_a_consumer_saves_the_blocks_the_answer_filled_and_its_exact_tail_not_wh
     assert [(t.block_id, t.kind.value, t.token_end) for t in save.transfers] == [(12, "b", 96), (13, "t", 104)]
     details = params["kvtool"]
     assert (details["answer_tokens"], details["answer_save_objects"]) == (104, 2)
-    assert "/t/104/" in details["answer_last_key"]  # put last (a grid of 8 tokens puts no pointer inside it)
+    assert "/p/88/" in details["answer_last_key"]  # put last: the last pointer (the 8-token grid), in block 96
     # Once stored, the next turn (prompt + the whole answer + a new message) finds all of it.
     keys = keys_of(PROMPT + ANSWER)
     for key in (keys.block_key(2), keys.tail_key(104)):
