@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from connector.hashing import RequestIdentity, save_tail_boundary
+from connector.hashing import RequestIdentity, save_tail_boundary, tail_boundaries
 from connector.keys import KeyKind, decode_key
 from connector.objects import ObjectHeader, ObjectRejected, decode_header, verify_object
 from connector.prefix import PromptKeys, find_stored_prefix, plan_load
@@ -199,11 +199,16 @@ def expected_header(keys: PromptKeys, kind: KeyKind, end_token: int) -> ObjectHe
 
 
 def candidate_boundaries(keys: PromptKeys) -> list[tuple[KeyKind, int, str]]:
-    """Every key a lookup of this prompt could ask for, in token order: (kind, end token, key)."""
+    """Every key a lookup of this prompt could ask for, in token order: (kind, end token, key). Pointers
+    (on the pair's divergence grid) stand where a stored object of another prompt holds this prefix."""
     found = [(KeyKind.BLOCK, (i + 1) * keys.block_size, keys.block_key(i)) for i in range(keys.num_full_blocks)]
     for block_index in range(len(keys.tokens) // keys.block_size + 1):
         found += [(KeyKind.TAIL, b, keys.tail_key(b)) for b in keys.tail_candidates(block_index)]
-    return sorted(found, key=lambda item: (item[1], item[0] is KeyKind.TAIL))
+        if keys.grid:
+            inside = tail_boundaries(block_index, keys.block_size, keys.grid, len(keys.tokens))
+            found += [(KeyKind.POINTER, b, keys.pointer_ref(b).key) for b in inside]
+    order = {KeyKind.BLOCK: 0, KeyKind.TAIL: 1, KeyKind.POINTER: 2}
+    return sorted(found, key=lambda item: (item[1], order[item[0]]))
 
 
 def inspect_prompt(keys: PromptKeys, snapshot: StoreSnapshot, show_all: bool = False) -> PromptInspection:
@@ -379,7 +384,8 @@ def prompt_report(
     present = frozenset(every)
     checks: dict[str, str] = {}
     if verify and target.master:
-        ours = [c for c in candidate_boundaries(keys) if c[2] in present]
+        # Objects are read and checked; a pointer is checked by the load that follows it.
+        ours = [c for c in candidate_boundaries(keys) if c[2] in present and c[0] is not KeyKind.POINTER]
         checks = read_checks(target, keys, ours)
     elif verify:
         notes.append("objects were not read and checked: give --master HOST:PORT or --pair READY_FILE")
@@ -409,7 +415,8 @@ def prompt_report(
     return Report(
         tables=[
             ReportTable(
-                f"prompt of {len(tokens)} tokens (block size {block_size}, hash unit {hash_unit})",
+                f"prompt of {len(tokens)} tokens (block size {block_size}, hash unit {hash_unit}, "
+                f"divergence grid {keys.grid or 'off'})",
                 ["end_token", "kind", "stored", "in_hit", "miss_reason", "key"],
                 rows,
             )

@@ -154,6 +154,20 @@ def test_an_extended_prompt_hits_the_shorter_prompts_tail():
     assert by_end(result)[("tail", 105)].miss_reason == NEVER_STORED  # its own save boundary is listed
 
 
+def test_a_prompt_leaving_a_stored_one_shows_the_pointer_it_hits_through():
+    def with_grid(tokens):
+        return PromptKeys.build(tokens, 32, 1, NS.key_component(), RequestIdentity().root_hash(), grid=8)
+
+    stored = with_grid(TOKENS)
+    present = {ref.key for obj in plan_save(stored) for ref in (obj, *stored.pointers_inside(obj))}
+    diverging = with_grid(TOKENS[:74] + list(range(500, 520)))  # leaves the stored tail after 74 tokens
+    result = inspect_prompt(diverging, StoreSnapshot(frozenset(present)))
+    assert (result.hit_tokens, result.block_hit_tokens, result.tail_hit_tokens) == (72, 64, 8)
+    rows = by_end(result)
+    assert rows[("pointer", 72)].stored and rows[("pointer", 72)].in_hit
+    assert ("pointer", 80) not in rows  # not stored, not listed (its prefix differs)
+
+
 def test_every_miss_is_named():
     keys = prompt_keys()
     other_keys = prompt_keys(namespace=OTHER)
