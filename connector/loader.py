@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from .calls import BoundedCalls, StoreError
 from .data import BlockTransfer, RequestLoad
 from .keys import KeyKind
-from .objects import POINTER_SIZE, ObjectHeader, ObjectRejected, verify_object
+from .objects import ObjectHeader, ObjectRejected, verify_object
 from .store import KVStore
 
 
@@ -40,7 +40,6 @@ class Fetched:
 
     payloads: tuple[memoryview, ...] = ()
     failure: LoadFailure | None = None
-    transfers: tuple[BlockTransfer, ...] = ()  # what was read, pointers replaced by their objects
 
 
 def fetch(
@@ -48,21 +47,14 @@ def fetch(
     transfers: tuple[BlockTransfer, ...],
     key_of: Callable[[BlockTransfer], str],
     header_of: Callable[[BlockTransfer], ObjectHeader],
-    resolve: Callable[[BlockTransfer, bytes], BlockTransfer],
     object_bytes: int,
 ) -> Fetched:
-    """Read and check a load's objects (runs on a background thread). Pure but for the store.
-
-    A pointer (a divergence point inside another prompt's object) is read first, in one batch, and
-    replaced by the object it names: two round trips for a load that has one, one otherwise."""
+    """Read and check a load's objects (runs on a background thread). Pure but for the store."""
+    keys = [key_of(t) for t in transfers]
     try:
-        transfers = _resolve_pointers(store, transfers, key_of, resolve)
-        keys = [key_of(t) for t in transfers]
         values = store.get(keys, object_bytes)
     except StoreError as exc:
         return Fetched(failure=LoadFailure("store_error", str(exc)))
-    except _Failed as exc:
-        return Fetched(failure=exc.failure)
     payloads = []
     for key, transfer, value in zip(keys, transfers, values, strict=True):
         if value is None:
@@ -71,33 +63,7 @@ def fetch(
             payloads.append(verify_object(value, header_of(transfer)))
         except ObjectRejected as exc:
             return Fetched(failure=LoadFailure(exc.cause, f"{key}: {exc}"))
-    return Fetched(payloads=tuple(payloads), transfers=transfers)
-
-
-class _Failed(Exception):
-    def __init__(self, failure: LoadFailure):
-        self.failure = failure
-
-
-def _resolve_pointers(
-    store: KVStore,
-    transfers: tuple[BlockTransfer, ...],
-    key_of: Callable[[BlockTransfer], str],
-    resolve: Callable[[BlockTransfer, bytes], BlockTransfer],
-) -> tuple[BlockTransfer, ...]:
-    at = [index for index, transfer in enumerate(transfers) if transfer.kind is KeyKind.POINTER]
-    if not at:
-        return transfers
-    keys = [key_of(transfers[index]) for index in at]
-    resolved = list(transfers)
-    for index, key, value in zip(at, keys, store.get(keys, POINTER_SIZE), strict=True):
-        if value is None:
-            raise _Failed(LoadFailure("missing", f"{key} could not be read"))
-        try:
-            resolved[index] = resolve(transfers[index], value)
-        except ObjectRejected as exc:
-            raise _Failed(LoadFailure(exc.cause, f"{key}: {exc}")) from None
-    return tuple(resolved)
+    return Fetched(payloads=tuple(payloads))
 
 
 @dataclass
@@ -125,7 +91,6 @@ class Loader:
         header_of: Callable[[BlockTransfer], ObjectHeader],
         object_bytes: Callable[[], int],
         write_block: Callable[[BlockTransfer, memoryview], None],
-        resolve: Callable[[BlockTransfer, bytes], BlockTransfer],
         timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
         calls: BoundedCalls | None = None,
@@ -135,7 +100,6 @@ class Loader:
         self._header_of = header_of
         self._object_bytes = object_bytes
         self._write_block = write_block
-        self._resolve = resolve
         self._timeout_s = timeout_s
         self._clock = clock
         self._calls = calls or BoundedCalls("kvtool-load", limit=2)
@@ -151,7 +115,7 @@ class Loader:
         size = self._object_bytes()
         try:
             entry.future = self._calls.submit(
-                lambda: fetch(store, load.transfers, self._key_of, self._header_of, self._resolve, size), "load"
+                lambda: fetch(store, load.transfers, self._key_of, self._header_of, size), "load"
             )
         except StoreError as exc:
             entry.failure = LoadFailure("busy", str(exc))
@@ -192,10 +156,7 @@ class Loader:
         return Finished(frozenset(received), failed), counts
 
     def _apply(self, load: RequestLoad, fetched: Fetched, counts: dict[str, int]) -> None:
-        pointed = sum(1 for transfer in load.transfers if transfer.kind is KeyKind.POINTER)
-        if pointed:
-            counts["pointer_hits"] = counts.get("pointer_hits", 0) + pointed
-        for transfer, payload in zip(fetched.transfers, fetched.payloads, strict=True):
+        for transfer, payload in zip(load.transfers, fetched.payloads, strict=True):
             self._write_block(transfer, payload)
             kind = f"{_KIND_NAMES[transfer.kind]}_objects_loaded"
             for name, amount in (("objects_loaded", 1), (kind, 1), ("bytes_loaded", len(payload))):

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .calls import BoundedCalls, StoreError
-from .prefix import ExistsFn, PromptKeys, StoredPrefix, find_stored_prefixes
+from .prefix import ExistsFn, PromptKeys, ReadFn, StoredPrefix, find_stored_prefixes
 
 Outcome = StoredPrefix | StoreError
 
@@ -44,8 +44,10 @@ class LookupBatcher:
         *,
         clock: Callable[[], float] = time.monotonic,
         calls: BoundedCalls | None = None,
+        read: ReadFn | None = None,
     ):
         self._exists = exists
+        self._read = read
         self._timeout_s = timeout_s
         self._clock = clock
         self._calls = calls or BoundedCalls("kvtool-lookup", limit=1)
@@ -83,7 +85,7 @@ class LookupBatcher:
             return
         prompts = [p.keys for _, p in waiting]
         try:
-            future = self._calls.submit(lambda: find_stored_prefixes(prompts, self._exists), "lookup")
+            future = self._calls.submit(lambda: find_stored_prefixes(prompts, self._exists, self._read), "lookup")
         except StoreError as exc:
             for _, pending in waiting:
                 pending.outcome = exc

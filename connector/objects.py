@@ -193,17 +193,22 @@ def encode_pointer(record: PointerRecord) -> bytes:
     )
 
 
-def verify_pointer(data: bytes | memoryview, expected: PointerRecord, block_size: int) -> PointerRecord:
-    """Check a stored pointer against the one the reader looked up (``expected``'s target fields are
-    ignored); return it. Its target must be a block or tail of the same block that reaches past it."""
+def verify_pointer(
+    data: bytes | memoryview, namespace: str, chain_hash: bytes, group: int, boundary: int, block_size: int
+) -> PointerRecord:
+    """Check a stored pointer against the one a lookup asked for (its namespace key component, prefix
+    hash, group and boundary); return it. Its target must be a block or tail of the same block that
+    reaches past it. The object it names is checked in full when it is loaded."""
     if len(data) != POINTER_SIZE:
         raise ObjectRejected("truncated", f"a pointer is {POINTER_SIZE} bytes, this one {len(data)}")
-    magic, version, ns, chain, group, boundary, kind_code, target_end, target_hash = _POINTER.unpack_from(data)
+    magic, version, ns, chain, found_group, found_boundary, kind_code, target_end, target_hash = _POINTER.unpack_from(
+        data
+    )
     if magic != POINTER_MAGIC or version != FORMAT_VERSION:
         raise ObjectRejected("foreign", "not a kvtool pointer of this format")
-    if ns != expected.namespace_fingerprint:
+    if not ns.hex().startswith(namespace):
         raise ObjectRejected("namespace", "pointer was written under another namespace")
-    if chain != expected.chain_hash or (group, boundary) != (expected.group, expected.boundary):
+    if chain != chain_hash or (found_group, found_boundary) != (group, boundary):
         raise ObjectRejected("hash", "pointer's prefix differs from its key's")
     kinds = {code: kind for kind, code in _KIND_CODES.items()}
     kind = kinds.get(kind_code)

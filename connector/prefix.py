@@ -12,9 +12,12 @@ from dataclasses import dataclass, field
 
 from .groups import CacheGroup, GroupKind
 from .hashing import block_hashes, save_tail_boundary, tail_boundaries, tail_hash
-from .keys import KeyKind, object_key
+from .keys import KeyKind, decode_key, object_key
+from .objects import ObjectRejected, verify_pointer
 
 ExistsFn = Callable[[list[str]], list[bool]]
+ReadFn = Callable[[list[str]], list["bytes | None"]]  # small objects (pointer records) by key
+POINTER_ROUNDS = 2  # at most this many (read, exists) rounds settle a lookup's pointers
 
 
 def single_group(block_size: int) -> tuple[CacheGroup, ...]:
@@ -211,7 +214,9 @@ class StoredPrefix:
     tokens: int  # the longest stored prefix, the whole prompt included
     hit_tokens: int  # the longest stored prefix a load can claim: at least one prompt token is computed
     present: frozenset[str] = frozenset()  # every key the lookup found stored
-    queries: int = 1  # existence round trips it took
+    queries: int = 1  # round trips it took
+    # Pointer key -> the object it names, read and found stored by the lookup: a load reads that object.
+    targets: dict[str, ObjectRef] = field(default_factory=dict)
 
     @property
     def full_blocks(self) -> int:
@@ -226,9 +231,9 @@ class StoredPrefix:
         return self.full_blocks * self.block_size
 
 
-def find_stored_prefix(keys: PromptKeys, exists: ExistsFn) -> StoredPrefix:
+def find_stored_prefix(keys: PromptKeys, exists: ExistsFn, read: ReadFn | None = None) -> StoredPrefix:
     """Longest stored prefix of one prompt (see ``find_stored_prefixes``)."""
-    return find_stored_prefixes([keys], exists)[0]
+    return find_stored_prefixes([keys], exists, read)[0]
 
 
 def _ask(exists: ExistsFn, refs_per_prompt: list[list[ObjectRef]]) -> list[frozenset[str]]:
@@ -264,7 +269,9 @@ def _chain_blocks(keys: PromptKeys, ends: Sequence[int], present: frozenset[str]
     return count
 
 
-def find_stored_prefixes(prompts: Sequence[PromptKeys], exists: ExistsFn) -> list[StoredPrefix]:
+def find_stored_prefixes(
+    prompts: Sequence[PromptKeys], exists: ExistsFn, read: ReadFn | None = None
+) -> list[StoredPrefix]:
     """Longest stored prefix of each prompt, at hash-unit granularity, in at most two queries in all.
 
     The first query asks, for every prompt and group, for every full-block key, the tail (or state)
@@ -286,21 +293,83 @@ def find_stored_prefixes(prompts: Sequence[PromptKeys], exists: ExistsFn) -> lis
     asked_twice = any(second_refs)
     more = _ask(exists, second_refs) if asked_twice else [frozenset() for _ in prompts]
 
+    candidates = [
+        sorted({*ends, *inner, len(keys.tokens), len(keys.tokens) - 1})
+        for keys, ends, inner in zip(prompts, first_ends, inner_ends, strict=True)
+    ]
+    known = [found | found_inner for found, found_inner in zip(present, more, strict=True)]
+    targets: list[dict[str, ObjectRef]] = [{} for _ in prompts]
+    rounds = _settle_pointers(prompts, candidates, known, targets, exists, read) if read is not None else 0
     results = []
-    for keys, ends, inner, found, found_inner in zip(prompts, first_ends, inner_ends, present, more, strict=True):
-        known = found | found_inner
-        length = len(keys.tokens)
-        served = [end for end in {*ends, *inner, length, length - 1} if end > 0 and keys.serves(end, known)]
-        results.append(
-            StoredPrefix(
-                keys.block_size,
-                tokens=max(served, default=0),
-                hit_tokens=max((end for end in served if end < length), default=0),
-                present=known,
-                queries=2 if inner else 1,
-            )
-        )
+    for keys, ends, found, pointed, inner in zip(prompts, candidates, known, targets, inner_ends, strict=True):
+        tokens, hit = _longest(keys, ends, found)
+        queries = (2 if inner else 1) + 2 * rounds
+        results.append(StoredPrefix(keys.block_size, tokens, hit, found, queries, pointed))
     return results
+
+
+def _longest(keys: PromptKeys, ends: Sequence[int], known: frozenset[str]) -> tuple[int, int]:
+    """The longest stored prefix, and the longest one a load can claim (one token short of the prompt)."""
+    length = len(keys.tokens)
+    served = [end for end in ends if end > 0 and keys.serves(end, known)]
+    return max(served, default=0), max((end for end in served if end < length), default=0)
+
+
+def _settle_pointers(
+    prompts: Sequence[PromptKeys],
+    candidates: list[list[int]],
+    known: list[frozenset[str]],
+    targets: list[dict[str, ObjectRef]],
+    exists: ExistsFn,
+    read: ReadFn,
+) -> int:
+    """Read the pointers each prompt's hit relies on and check that the objects they name are stored;
+    a pointer that is unreadable, bad, or names a missing object (evicted: pointers are small and may
+    outlive it) is dropped, and the hit falls back to what else is stored. Returns the rounds taken.
+
+    Updates ``known`` (drops bad pointers) and ``targets`` (pointer key -> object) in place."""
+    for rounds in range(1, POINTER_ROUNDS + 1):
+        asked: list[tuple[int, ObjectRef]] = []
+        for index, (keys, ends) in enumerate(zip(prompts, candidates, strict=True)):
+            hit = _longest(keys, ends, known[index])[1]
+            for group in keys.groups if hit else ():
+                for ref in keys.objects_for(group, hit, known[index]) or ():
+                    if ref.kind is KeyKind.POINTER and ref.key not in targets[index]:
+                        asked.append((index, ref))
+        if not asked:
+            return rounds - 1
+        records = read([ref.key for _, ref in asked])
+        named = [
+            pointer_target(prompts[index], ref, record) if record else None
+            for (index, ref), record in zip(asked, records, strict=True)
+        ]
+        stored = iter(exists([target.key for target in named if target is not None]))
+        for (index, ref), target in zip(asked, named, strict=True):
+            if target is not None and next(stored):
+                targets[index][ref.key] = target
+            else:
+                known[index] = known[index] - {ref.key}
+    # Still unsettled after the last round: no hit relies on a pointer not read.
+    for index in range(len(prompts)):
+        known[index] = frozenset(key for key in known[index] if key in targets[index] or not _is_pointer(key))
+    return POINTER_ROUNDS
+
+
+def _is_pointer(key: str) -> bool:
+    decoded = decode_key(key)
+    return decoded is not None and decoded.kind is KeyKind.POINTER
+
+
+def pointer_target(keys: PromptKeys, pointer: ObjectRef, record: bytes) -> ObjectRef | None:
+    """The object a stored pointer record names, or None when the record is not this pointer's."""
+    try:
+        named = verify_pointer(record, keys.namespace, pointer.chain_hash, pointer.group, pointer.token_end,
+                               keys.block_size)  # fmt: skip
+    except ObjectRejected:
+        return None
+    key = object_key(keys.namespace, pointer.group, named.target_kind, named.target_end, named.target_hash)
+    return ObjectRef(key, pointer.group, named.target_kind, pointer.block_index, pointer.token_start,
+                     named.target_end, named.target_hash)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -328,7 +397,7 @@ def plan_load(keys: PromptKeys, stored: StoredPrefix, local_tokens: int) -> Load
         refs = keys.objects_for(group, hit, stored.present, from_block)
         if refs is None:  # the lookup found it stored; only a caller's own present set can miss it
             return LoadPlan(local_tokens, 0, 0, 0, ())
-        objects += refs
+        objects += [stored.targets.get(ref.key, ref) for ref in refs]  # a pointer: the object it names
     objects.sort(key=lambda ref: (ref.block_index, ref.group))
     # Reported by the first attention group: tokens served by full blocks, and by the tail.
     attention = [ref for ref in objects if ref.kind is not KeyKind.STATE and ref.group == _primary(keys)]

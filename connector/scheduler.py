@@ -16,6 +16,7 @@ from .hashing import RequestIdentity
 from .hits import HitDetails
 from .identity import UnhashableRequest, request_identity
 from .keys import KeyKind, Namespace, watermark_key
+from .objects import POINTER_SIZE
 from .watermarks import SEQ_FINAL
 from .calls import BoundedCalls
 from .lookups import LookupBatcher
@@ -28,6 +29,11 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger("vllm.kvtool")
+
+
+def _pointer_reader(store: KVStore) -> Callable[[list[str]], list[bytes | None]]:
+    """How a lookup reads the pointer records its hit relies on (small objects)."""
+    return lambda keys: store.get(keys, POINTER_SIZE)
 
 
 def save_transfer(keys: PromptKeys, ref: ObjectRef, block_id: int) -> BlockTransfer:
@@ -124,7 +130,9 @@ class SchedulerSide:
         self._warned: set[str] = set()
         self.stats: Counter[str] = Counter()
         self._lookups = (
-            LookupBatcher(store.exists, config.lookup_timeout_s, calls=lookup_calls) if store is not None else None
+            LookupBatcher(store.exists, config.lookup_timeout_s, calls=lookup_calls, read=_pointer_reader(store))
+            if store is not None
+            else None
         )
         self._request_log = RequestLog(config.request_log) if config.request_log else None
 

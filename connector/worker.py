@@ -14,7 +14,6 @@ import logging
 import threading
 import warnings
 from collections import Counter
-from dataclasses import replace
 
 import torch
 
@@ -23,7 +22,7 @@ from .config import KVToolConfig
 from .data import BlockTransfer, KVToolMetadata, KVToolWorkerMeta, RequestSave
 from .keys import KeyKind, Namespace, object_key, watermark_key
 from .loader import Loader
-from .objects import HEADER_SIZE, ObjectHeader, PointerRecord, encode_object, encode_pointer, verify_pointer
+from .objects import HEADER_SIZE, ObjectHeader, PointerRecord, encode_object, encode_pointer
 from .saver import ObjectCopy, Saver, SaveJob
 from .store import KVStore
 
@@ -62,7 +61,6 @@ class WorkerSide:
             header_of=self._header,
             object_bytes=lambda: HEADER_SIZE + max(self._group_bytes, default=0),
             write_block=self._write_block,
-            resolve=self._resolve,
             timeout_s=config.load_timeout_s,
             calls=load_calls,
         )
@@ -142,13 +140,6 @@ class WorkerSide:
         return PointerRecord(
             self._fingerprint, digest, target.group, boundary, target.kind, target.token_end, target.chain_hash
         )
-
-    def _resolve(self, pointer: BlockTransfer, record_bytes: bytes) -> BlockTransfer:
-        """The object a loaded pointer names, as a transfer into the pointer's block (claiming only up to
-        the pointer: vLLM computes from there on, over the rest of the block)."""
-        expected = self._pointer(pointer.token_end, pointer.chain_hash, pointer)
-        record = verify_pointer(record_bytes, expected, self._namespace.block_size)
-        return replace(pointer, kind=record.target_kind, token_end=record.target_end, chain_hash=record.target_hash)
 
     def _count(self, name: str, amount: int = 1) -> None:
         with self._stats_lock:

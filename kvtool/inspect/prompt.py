@@ -91,6 +91,9 @@ class StoreSnapshot:
     coverage: list[Coverage] = field(default_factory=list)
     # key -> cause of the failed check; keys not listed passed it (or were not read)
     check_failures: dict[str, str] = field(default_factory=dict)
+    # The prompt's stored pointer records, read (a lookup reads them and checks what they name);
+    # None when not read: pointers are then taken as they are.
+    pointer_records: dict[str, bytes] | None = None
     _by_hash: dict[tuple[str, int, str], list[str]] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -218,9 +221,11 @@ def inspect_prompt(keys: PromptKeys, snapshot: StoreSnapshot, show_all: bool = F
     def loadable(asked: list[str]) -> list[bool]:
         return [key in snapshot.keys and key not in snapshot.check_failures for key in asked]
 
-    stored = find_stored_prefix(keys, exists)
+    records = snapshot.pointer_records
+    read = None if records is None else lambda asked: [records.get(key) for key in asked]
+    stored = find_stored_prefix(keys, exists, read)
     plan = plan_load(keys, stored, local_tokens=0)
-    loadable_plan = plan_load(keys, find_stored_prefix(keys, loadable), local_tokens=0)
+    loadable_plan = plan_load(keys, find_stored_prefix(keys, loadable, read), local_tokens=0)
     hit_keys = {obj.key for obj in plan.objects}
     save_boundary = save_tail_boundary(len(keys.tokens), keys.block_size, keys.hash_unit)
 
@@ -318,6 +323,18 @@ def tokenize(text: str, model: str | None) -> list[int]:
 # ---- I/O ------------------------------------------------------------------------------------
 
 
+def read_pointers(target: Target, pointer_keys: list[str]) -> dict[str, bytes]:
+    """The stored records of these pointers (a missing one is left out)."""
+    if not pointer_keys:
+        return {}
+    reader = open_reader(target)
+    try:
+        values = reader.get(pointer_keys)
+    finally:
+        reader.close()
+    return {key: value for key, value in zip(pointer_keys, values, strict=True) if value is not None}
+
+
 def read_checks(target: Target, keys: PromptKeys, stored_keys: Iterable[tuple[KeyKind, int, str]]) -> dict[str, str]:
     """Read every stored object of the prompt and check it; key -> cause for those that fail."""
     stored_keys = list(stored_keys)
@@ -383,14 +400,18 @@ def prompt_report(
 
     present = frozenset(every)
     checks: dict[str, str] = {}
+    records: dict[str, bytes] | None = None
     if verify and target.master:
-        # Objects are read and checked; a pointer is checked by the load that follows it.
+        # Objects are read and checked; pointers are read, and checked as a lookup checks them.
         ours = [c for c in candidate_boundaries(keys) if c[2] in present and c[0] is not KeyKind.POINTER]
         checks = read_checks(target, keys, ours)
+        records = read_pointers(
+            target, [c[2] for c in candidate_boundaries(keys) if c[2] in present and c[0] is KeyKind.POINTER]
+        )
     elif verify:
         notes.append("objects were not read and checked: give --master HOST:PORT or --pair READY_FILE")
 
-    result = inspect_prompt(keys, StoreSnapshot(present, coverage, checks), show_all)
+    result = inspect_prompt(keys, StoreSnapshot(present, coverage, checks, records), show_all)
     if result.hidden_never_stored:
         notes.append(f"{result.hidden_never_stored} other tail boundaries: never stored (--all-boundaries lists them)")
     if result.loadable_hit_tokens != result.hit_tokens:

@@ -115,6 +115,17 @@ def test_a_prompt_diverging_after_a_stored_block_reuses_that_block(hybrid):
     assert details.external_hit_tokens == block, details
 
 
+def test_a_prompt_diverging_inside_a_stored_block_hits_where_every_group_can(hybrid):
+    """A divergence point on the pair's grid inside the second block: on swa both attention groups have
+    a pointer there; on mamba there is no state there, so the hit is the last state boundary."""
+    block, grid = hybrid["block_size"], hybrid["divergence_grid"]
+    base = prompt(3018, 2 * block + 10)
+    produce(hybrid, base)
+    common = block + 2 * grid
+    details = consume(hybrid, base[:common] + prompt(3019, 20))
+    assert details.external_hit_tokens == (common if hybrid["preset"] == "swa" else block), details
+
+
 def test_a_corrupted_object_of_one_group_is_a_recompute_and_exact(hybrid):
     """Only one group's objects are spoiled (the state on mamba, tails on swa): the whole load fails."""
     base = prompt(3012, hybrid["block_size"] + 12)

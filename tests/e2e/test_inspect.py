@@ -59,8 +59,10 @@ def test_inspect_follows_a_producer_request_and_predicts_the_consumer(pair, read
     for index, end in ((0, 32), (1, 64)):
         entry = by_key[keys.block_key(index)]
         assert (entry["kind"], entry["end_token"], entry["tokens"]) == ("block", end, 32)
-    tail = by_key[kept_details.save_last_key]
-    assert tail["key"] == keys.tail_key(LENGTH)
+    tail = by_key[keys.tail_key(LENGTH)]
+    # The save puts its pointers last (one batch): the last one is inside the tail, on the 8-token grid.
+    last = by_key[kept_details.save_last_key]
+    assert (last["kind"], last["end_token"]) == ("pointer", LENGTH // 8 * 8)
     assert (tail["kind"], tail["namespace"], tail["end_token"], tail["tokens"]) == ("tail", namespace, LENGTH, 13)
 
     # watermarks: the request is durable at its prompt length.
@@ -78,7 +80,10 @@ def test_inspect_follows_a_producer_request_and_predicts_the_consumer(pair, read
     assert details.reused_tokens == report["hit_tokens"]
 
     # After the tail object is removed: the miss is named, and the smaller hit predicted.
-    remove(pair, removed_details.save_last_key)
+    removed_keys = PromptKeys.build(
+        removed, pair["block_size"], pair["hash_unit"], namespace, RequestIdentity().root_hash()
+    )
+    remove(pair, removed_keys.tail_key(LENGTH))  # its pointers stay: a lookup finds them naming nothing
     removed_row = by_request[decode_key(removed_details.watermark_key).request_hash]
     query = removed + prompt(404, 10)
     report, boundaries = predicted(ready_file, query, namespace, "--request-id", removed_row["request_id"])

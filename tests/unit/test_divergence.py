@@ -14,6 +14,7 @@ from connector.hashing import RequestIdentity
 from connector.keys import KeyKind
 from connector.objects import PointerRecord, encode_pointer
 from connector.prefix import PromptKeys, find_stored_prefix, plan_load, plan_save
+from connector.objects import POINTER_SIZE
 from connector.scheduler import save_transfer
 from connector.store import PutOutcome
 
@@ -92,30 +93,50 @@ def test_a_load_plan_through_a_pointer_claims_only_the_common_prefix():
     ]
 
 
-def save_with_pointers(store, caches, tokens, blocks):
-    keys = keys_for(tokens)
+def save_with_pointers(store, caches, tokens, blocks, grid=1):
+    keys = keys_for(tokens, grid)
     side = worker(store, caches)
     transfers = tuple(save_transfer(keys, ref, blocks[ref.block_index]) for ref in plan_save(keys))
     side.wait_for_save(KVToolMetadata(saves=[RequestSave("req-1", transfers, prompt_tokens=len(tokens))]))
     side.shutdown()
 
 
-def pointer_load(tokens, common, block):
-    keys = keys_for(tokens)
-    ref = keys.pointer_ref(common)
-    return RequestLoad("req-2", (save_transfer(keys, ref, block),))
+def resolved_lookup(store, tokens, grid=1):
+    keys = keys_for(tokens, grid)
+    stored = find_stored_prefix(keys, store.exists, lambda asked: store.get(asked, POINTER_SIZE))
+    return stored, plan_load(keys, stored, 0)
 
 
-def test_a_pointer_loads_the_whole_block_of_the_object_it_names():
+def test_a_lookup_reads_the_pointer_and_the_load_reads_the_object_it_names():
     store, source = ScriptedStore(), kv_caches("random")
     save_with_pointers(store, source, STORED, (3, 5, 1))
+    stored, plan = resolved_lookup(store, diverging(70, 80))
+    assert (stored.hit_tokens, stored.queries) == (70, 3)  # one existence query, then a read and a check
+    last = plan.objects[-1]
+    assert (last.kind, last.token_start, last.token_end, last.key) == (
+        KeyKind.TAIL,
+        64,
+        85,
+        keys_for(STORED).tail_key(85),
+    )
+    assert (plan.block_tokens, plan.tail_tokens) == (64, 6)
     target = kv_caches("zeros")
     loader = worker(store, target, saves=False)
-    loader.start_load_kv(KVToolMetadata(loads=[pointer_load(diverging(70, 80), 70, 6)]))
+    transfers = tuple(
+        save_transfer(keys_for(STORED), ref, block) for ref, block in zip(plan.objects, (7, 2, 6), strict=True)
+    )
+    loader.start_load_kv(KVToolMetadata(loads=[RequestLoad("req-2", transfers)]))
     assert loader.get_finished() == ({"req-2"}, set())
-    assert all(torch.equal(source[name][1], target[name][6]) for name in LAYERS)  # the tail's block
-    stats = loader.take_stats()
-    assert (stats["pointer_hits"], stats["tail_objects_loaded"]) == (1, 1)
+    assert all(torch.equal(source[name][1], target[name][6]) for name in LAYERS)  # the tail's whole block
+
+
+def test_a_pointer_into_a_full_block_names_the_block():
+    store = ScriptedStore()
+    save_with_pointers(store, kv_caches("random"), STORED, (3, 5, 1))
+    stored, plan = resolved_lookup(store, diverging(50, 70))
+    assert stored.hit_tokens == 50
+    assert [(o.kind, o.token_end) for o in plan.objects] == [(KeyKind.BLOCK, 32), (KeyKind.BLOCK, 64)]
+    assert (plan.block_tokens, plan.tail_tokens) == (50, 0)  # all of it from full-block objects
 
 
 def forged(record: PointerRecord, **changes) -> bytes:
@@ -124,38 +145,35 @@ def forged(record: PointerRecord, **changes) -> bytes:
 
 
 @pytest.mark.parametrize(
-    "change, cause",
+    "change",
     [
-        ({"namespace_fingerprint": b"X" * 16}, "namespace"),
-        ({"chain_hash": b"\0" * 16}, "hash"),
-        ({"target_end": 60}, "corrupt"),  # ends before the pointer
-        ({"target_end": 97}, "corrupt"),  # past its block
-        ({"target_kind": KeyKind.BLOCK}, "corrupt"),  # a block that does not end at the block's end
+        {"namespace_fingerprint": b"X" * 16},
+        {"chain_hash": b"\0" * 16},
+        {"target_end": 70},  # ends before the pointer
+        {"target_end": 97},  # past its block
+        {"target_kind": KeyKind.BLOCK},  # a block that does not end at the block's end
+        {"target_hash": b"\1" * 16},  # names an object that is not stored
     ],
+    ids=["namespace", "prefix-hash", "before", "past-block", "kind", "not-stored"],
 )
-def test_a_bad_pointer_fails_the_load(change, cause):
-    store, source = ScriptedStore(), kv_caches("random")
-    save_with_pointers(store, source, STORED, (3, 5, 1))
-    keys = keys_for(STORED)
-    pointer = keys.pointer_ref(70)
-    tail = keys.tail_ref(85)
-    good = PointerRecord(NS.fingerprint(), pointer.chain_hash, 0, 70, KeyKind.TAIL, 85, tail.chain_hash)
+def test_a_bad_pointer_is_no_hit_and_the_lookup_falls_back(change):
+    store = ScriptedStore()
+    save_with_pointers(store, kv_caches("random"), STORED, (3, 5, 1), grid=8)
+    keys = keys_for(STORED, grid=8)
+    pointer, tail = keys.pointer_ref(72), keys.tail_ref(85)
+    good = PointerRecord(NS.fingerprint(), pointer.chain_hash, 0, 72, KeyKind.TAIL, 85, tail.chain_hash)
     assert store.objects[pointer.key] == encode_pointer(good)
     store.objects[pointer.key] = forged(good, **change)
-    loader = worker(store, kv_caches("zeros"), saves=False)
-    loader.start_load_kv(KVToolMetadata(loads=[pointer_load(diverging(70, 80), 70, 6)]))
-    assert loader.get_finished() == ({"req-2"}, {"req-2"})
-    assert loader.take_load_failures().load_failures["req-2"][1] == cause
+    stored, plan = resolved_lookup(store, diverging(75, 90), grid=8)
+    assert stored.hit_tokens == 64 and pointer.key not in stored.present
+    assert all(o.kind is KeyKind.BLOCK for o in plan.objects)
 
 
-def test_a_pointer_whose_object_is_gone_is_a_miss_load():
-    store, source = ScriptedStore(), kv_caches("random")
-    save_with_pointers(store, source, STORED, (3, 5, 1))
-    del store.objects[keys_for(STORED).tail_key(85)]
-    loader = worker(store, kv_caches("zeros"), saves=False)
-    loader.start_load_kv(KVToolMetadata(loads=[pointer_load(diverging(70, 80), 70, 6)]))
-    assert loader.get_finished() == ({"req-2"}, {"req-2"})
-    assert loader.take_load_failures().load_failures["req-2"][1] == "missing"
+def test_a_pointer_whose_object_was_evicted_is_no_hit():
+    store = ScriptedStore()
+    save_with_pointers(store, kv_caches("random"), STORED, (3, 5, 1), grid=8)
+    del store.objects[keys_for(STORED).tail_key(85)]  # pointers are small: they may outlive their object
+    assert resolved_lookup(store, diverging(75, 90), grid=8)[0].hit_tokens == 64
 
 
 def test_pointers_are_put_after_their_object_and_not_when_its_put_fails():

@@ -3,6 +3,7 @@
 import pytest
 
 from connector.hashing import RequestIdentity
+from connector.objects import PointerRecord, encode_pointer
 from connector.keys import KeyKind, Namespace
 from connector.objects import ObjectHeader, encode_object
 from connector.prefix import PromptKeys, find_stored_prefix, plan_load, plan_save
@@ -166,6 +167,17 @@ def test_a_prompt_leaving_a_stored_one_shows_the_pointer_it_hits_through():
     rows = by_end(result)
     assert rows[("pointer", 72)].stored and rows[("pointer", 72)].in_hit
     assert ("pointer", 80) not in rows  # not stored, not listed (its prefix differs)
+    # Read, the pointer names the stored tail: the same hit. With the tail evicted: the block boundary.
+    pointer, tail = stored.pointer_ref(72), stored.tail_ref(85)
+    record = encode_pointer(
+        PointerRecord(NS.fingerprint(), pointer.chain_hash, 0, 72, KeyKind.TAIL, 85, tail.chain_hash)
+    )
+    assert (
+        inspect_prompt(diverging, StoreSnapshot(frozenset(present), pointer_records={pointer.key: record})).hit_tokens
+        == 72
+    )
+    evicted = StoreSnapshot(frozenset(present - {tail.key}), pointer_records={pointer.key: record})
+    assert inspect_prompt(diverging, evicted).hit_tokens == 64
 
 
 def test_every_miss_is_named():
