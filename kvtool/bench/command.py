@@ -162,7 +162,8 @@ def run_bench(
                 # One connector failing must not throw away the others' results.
                 failures[connector] = exc.message
                 say(f"{connector} failed: {exc.message}")
-        pair_config = launch.model_dump(mode="json")
+        # The kvtool connector's pointer grid as the engines resolved it (divergence_grid None: auto).
+        pair_config = {**launch.model_dump(mode="json"), "effective_divergence_grid": launch.effective_divergence_grid}
 
     document = bench_document(
         {**config.model_dump(mode="json"), "command": sys.argv}, pair_config, reports, compare=bool(compare)
