@@ -33,6 +33,7 @@ import json
 import os
 import platform
 import random
+import resource
 import socket
 import statistics
 import subprocess
@@ -122,6 +123,11 @@ class Master:
             if line and not line.startswith("#") and "{" not in name:
                 samples[name] = float(value)
         return samples
+
+    def cpu_s(self) -> float:
+        """CPU seconds the master has used (user + system)."""
+        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def segment_used_bytes(self) -> int:
         detail = httpx.get(f"{self.admin}/get_segments_detail", timeout=10).json()
@@ -665,16 +671,38 @@ def measure_setting(master: Master, log: CallLog, setting: Setting, tokens: Toke
     }
 
 
-def connector_level(log_dir: Path) -> list[dict[str, Any]]:
-    """Every setting against one fresh master, through the connector's store stack."""
+def machine_busy_cpu_s() -> float:
+    """CPU seconds the whole machine has spent busy since boot (/proc/stat: all but idle and iowait)."""
+    fields = [int(value) for value in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def connector_level(log_dir: Path) -> dict[str, Any]:
+    """Every setting against one fresh master, through the connector's store stack; and the CPU time
+    the rest of the machine used meanwhile (near 0 on an otherwise idle machine)."""
     tokens = Tokens(seed=3)
     settings = [Setting(block, grid) for block in CONNECTOR_OBJECT_BYTES for grid in connector_grids(block)]
+    started, busy, own = time.monotonic(), machine_busy_cpu_s(), own_cpu_s()
     with running_master(log_dir / "master-connector.log") as master:
         log = CallLog(open_store(client_config(master)))
         try:
-            return [measure_setting(master, log, setting, tokens) for setting in settings]
+            rows = [measure_setting(master, log, setting, tokens) for setting in settings]
         finally:
             log.close()
+        master_cpu = master.cpu_s()
+    cpu = {
+        "wall_s": time.monotonic() - started,
+        "machine_busy_cpu_s": machine_busy_cpu_s() - busy,
+        "this_process_cpu_s": own_cpu_s() - own,
+        "master_cpu_s": master_cpu,
+    }
+    cpu["other_processes_cpu_s"] = cpu["machine_busy_cpu_s"] - cpu["this_process_cpu_s"] - master_cpu
+    return {"cpu": {name: round(value, 1) for name, value in cpu.items()}, "settings": rows}
 
 
 def connector_configuration() -> dict[str, Any]:
@@ -760,14 +788,11 @@ def store_level(log_dir: Path, command: list[str]) -> dict[str, Any]:
 
 
 def connector_run(log_dir: Path, command: list[str]) -> dict[str, Any]:
-    started = time.monotonic()
-    settings = connector_level(log_dir)
     stamp = configuration(command)
     return {
         "configuration": {name: stamp[name] for name in ("command", "date_utc", "mooncake_package", "machine")}
         | connector_configuration(),
-        "settings": settings,
-        "elapsed_s": round(time.monotonic() - started, 1),
+        **connector_level(log_dir),
     }
 
 
@@ -788,6 +813,7 @@ def main() -> None:
     if args.only != "store":
         results["connector"] = connector_run(args.log_dir, command)
         print(connector_tables(results["connector"]["settings"]))
+        print(f"CPU during the connector run: {results['connector']['cpu']}")
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {args.out}")
 
