@@ -6,6 +6,7 @@ import json
 import os
 import random
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -82,13 +83,19 @@ def consume(
     pair: dict, tokens: list[int], engine: str = "consumer", max_tokens: int = GENERATE
 ) -> tuple[HitDetails, dict]:
     """Ask ``engine`` and check its answer against a full recomputation; its hit details and response
-    (``choices[0]["token_ids"]``: the generated token ids)."""
+    (``choices[0]["token_ids"]``: the generated token ids).
+
+    The recomputation: on the tiny model a request with prompt_logprobs (vLLM skips every cache for
+    it); on a hybrid preset (``pair["preset"]``) one under a fresh cache_salt, which nothing stored
+    or cached can match."""
     extra = {"return_tokens_as_token_ids": True, "return_token_ids": True, "ignore_eos": True}
     answer = complete(pair[engine], pair["model"], tokens, max_tokens=max_tokens, logprobs=5, extra=extra)
-    # prompt_logprobs makes vLLM skip every cache for this request: a full recomputation.
-    reference = complete(
-        pair[engine], pair["model"], tokens, max_tokens=max_tokens, logprobs=5, prompt_logprobs=1, extra=extra
-    )
+    if pair.get("preset", "tiny") == "tiny":
+        recompute: dict = {"prompt_logprobs": 1, "extra": extra}
+    else:
+        recompute = {"extra": {**extra, "cache_salt": uuid.uuid4().hex}}
+    reference = complete(pair[engine], pair["model"], tokens, max_tokens=max_tokens, logprobs=5, **recompute)
+    assert hit_details(reference).reused_tokens == 0, "the reference reused KV"
     comparison = compare_answers(answer, reference, TOLERANCE)
     assert comparison.matches, comparison.reason
     return hit_details(answer), answer

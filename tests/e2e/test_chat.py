@@ -1,6 +1,7 @@
-"""On a `--roles both` pair with a token-exact divergence grid: a disaggregated chat reuses every
-previous prompt and the decoding engine's real answer, to the token; a prompt that leaves a stored one
-inside a block or a tail hits exactly their common prefix; every answer is a recomputation's."""
+"""On a `--roles both` pair with a token-exact divergence grid (the tiny model, and the sliding-window
+hybrid): a disaggregated chat reuses every previous prompt and the decoding engine's real answer, to
+the token; a prompt that leaves a stored one inside a block or a tail hits exactly their common
+prefix; every answer is a recomputation's."""
 
 from __future__ import annotations
 
@@ -18,12 +19,14 @@ pytestmark = pytest.mark.e2e
 ANSWER = 20  # generated tokens a turn: the answer ends inside a block, past the prompt's last one
 
 
-@pytest.fixture(scope="module")
-def both_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
-    """A tiny pair whose engines are both kv_both and save their answers (serve-pair --roles both), with
-    a pointer at every token inside stored objects (--divergence-grid 1)."""
-    workdir = tmp_path_factory.mktemp("both-pair")
-    with running_pair(workdir, roles="both", extra_args=("--divergence-grid", "1")) as info:
+@pytest.fixture(scope="module", params=["tiny", "swa"])
+def both_pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    """A pair whose engines are both kv_both and save their answers (serve-pair --roles both), with a
+    pointer at every token inside stored objects (--divergence-grid 1): on the tiny model, and on the
+    sliding-window hybrid (each of its two cache groups saves, points and loads on its own)."""
+    workdir = tmp_path_factory.mktemp(f"both-pair-{request.param}")
+    with running_pair(workdir, request.param, roles="both", extra_args=("--divergence-grid", "1")) as info:
+        info["preset"] = request.param
         yield info
 
 
