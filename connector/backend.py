@@ -26,8 +26,9 @@ class KVStore(Protocol):
 
     def put(self, key: str, value: bytes) -> PutOutcome: ...
 
-    def put_many(self, items: Sequence[tuple[str, bytes]]) -> PutOutcome:
-        """Put several small objects in one call; one outcome for all (STORED: every one is stored)."""
+    def put_many(self, items: Sequence[tuple[str, bytes]], replace: bool = False) -> PutOutcome:
+        """Put several small objects in one call; one outcome for all (STORED: every one is stored).
+        ``replace``: a key already stored takes the new value (else the first put wins)."""
         ...
 
     def remove(self, key: str) -> int: ...

@@ -142,8 +142,8 @@ class GuardedStore:
     def put(self, key: str, value: bytes) -> PutOutcome:
         return self._run("put", lambda: self._store.put(key, value))
 
-    def put_many(self, items: Sequence[tuple[str, bytes]]) -> PutOutcome:
-        return self._run("put", lambda: self._store.put_many(items))
+    def put_many(self, items: Sequence[tuple[str, bytes]], replace: bool = False) -> PutOutcome:
+        return self._run("put", lambda: self._store.put_many(items, replace))
 
     def close(self) -> None:
         self._store.close()

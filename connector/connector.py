@@ -190,6 +190,10 @@ class KVToolConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output: KVConnectorOutput):
         if self._scheduler is not None:
             self._scheduler.record_load_failures(connector_output.kv_connector_worker_meta)
+            self._scheduler.record_transfers(connector_output.finished_recving, connector_output.finished_sending)
+
+    def has_pending_block_frees(self) -> bool:
+        return self._scheduler is not None and self._scheduler.has_pending_block_frees()
 
     def get_kv_connector_stats(self) -> KVToolStats | None:
         side = self._worker if self._worker is not None else self._scheduler

@@ -118,11 +118,11 @@ class FaultyStore:
             return PutOutcome.NO_SPACE if plan.put_outcome == "no_space" else PutOutcome.FAILED
         return self._store.put(key, value)
 
-    def put_many(self, items: Sequence[tuple[str, bytes]]) -> PutOutcome:
+    def put_many(self, items: Sequence[tuple[str, bytes]], replace: bool = False) -> PutOutcome:
         plan = self._enter(self.plan().put_delay_s)
         if plan.put_outcome is not None and any(_kind_of(key) in plan.put_kinds for key, _ in items):
             return PutOutcome.NO_SPACE if plan.put_outcome == "no_space" else PutOutcome.FAILED
-        return self._store.put_many(items)
+        return self._store.put_many(items, replace)
 
     def remove(self, key: str) -> int:
         return self._store.remove(key)

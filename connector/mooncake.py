@@ -83,11 +83,12 @@ class MooncakeStore:
         logger.debug("kvtool: put of %s returned %s", key, code)
         return PutOutcome.FAILED
 
-    def put_many(self, items: Sequence[tuple[str, bytes]]) -> PutOutcome:
+    def put_many(self, items: Sequence[tuple[str, bytes]], replace: bool = False) -> PutOutcome:
         if not items:
             return PutOutcome.STORED
         # One call and one code for the batch (a key already stored counts as stored, as in put).
-        code = self._client.put_batch([key for key, _ in items], [value for _, value in items])
+        call = self._client.upsert_batch if replace else self._client.put_batch
+        code = call([key for key, _ in items], [value for _, value in items])
         if code == 0:
             return PutOutcome.STORED
         logger.debug("kvtool: batch put of %d objects returned %s", len(items), code)

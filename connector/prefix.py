@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from .groups import CacheGroup, GroupKind
 from .hashing import block_hashes, save_tail_boundary, tail_boundaries, tail_hash
 from .keys import KeyKind, decode_key, object_key
+from .calls import StoreError
 from .objects import ObjectRejected, verify_pointer
 
 ExistsFn = Callable[[list[str]], list[bool]]
@@ -338,21 +339,24 @@ def _settle_pointers(
                         asked.append((index, ref))
         if not asked:
             return rounds - 1
-        records = read([ref.key for _, ref in asked])
-        named = [
-            pointer_target(prompts[index], ref, record) if record else None
-            for (index, ref), record in zip(asked, records, strict=True)
-        ]
-        stored = iter(exists([target.key for target in named if target is not None]))
+        try:
+            records = read([ref.key for _, ref in asked])
+            named = [
+                pointer_target(prompts[index], ref, record) if record else None
+                for (index, ref), record in zip(asked, records, strict=True)
+            ]
+            stored = iter(exists([target.key for target in named if target is not None]))
+        except StoreError:
+            break  # a pointer read or check failed: no hit relies on a pointer not settled (below)
         for (index, ref), target in zip(asked, named, strict=True):
             if target is not None and next(stored):
                 targets[index][ref.key] = target
             else:
                 known[index] = known[index] - {ref.key}
-    # Still unsettled after the last round: no hit relies on a pointer not read.
+    # Unsettled after the last round, or a failed read: no hit relies on a pointer not settled.
     for index in range(len(prompts)):
         known[index] = frozenset(key for key in known[index] if key in targets[index] or not _is_pointer(key))
-    return POINTER_ROUNDS
+    return rounds
 
 
 def _is_pointer(key: str) -> bool:

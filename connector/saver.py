@@ -172,10 +172,11 @@ class Saver:
 
     def _put_pointers(self, pointers: list[tuple[str, bytes]]) -> None:
         """Point to the save's stored objects from the divergence points inside them: one batch put, after
-        the objects (a pointer is never stored before its object). A failed batch is only shorter hits
-        for prompts that leave these ones there."""
+        the objects (a pointer is never stored before its object). A pointer already stored is replaced:
+        the object it names may be gone (evicted), this one is not, and any object a pointer names holds
+        the same prefix. A failed batch is only shorter hits for prompts that leave these ones there."""
         try:
-            outcome = self._store.put_many(pointers)
+            outcome = self._store.put_many(pointers, replace=True)
         except StoreError as exc:
             self._warn_once("put", f"kvtool: put failed, that prefix stays a miss: {exc}")
             outcome = PutOutcome.FAILED

@@ -31,9 +31,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger("vllm.kvtool")
 
 
-def _pointer_reader(store: KVStore) -> Callable[[list[str]], list[bytes | None]]:
-    """How a lookup reads the pointer records its hit relies on (small objects)."""
-    return lambda keys: store.get(keys, POINTER_SIZE)
+def _pointer_reader(store: KVStore, timeout_s: float) -> Callable[[list[str]], list[bytes | None]]:
+    """How a lookup reads the pointer records its hit relies on (small objects): within the lookup's own
+    time budget, on one thread of its own (a read still stuck there fails the next one at once), so a
+    slow read costs that lookup its pointer hits, never a stall of later lookups."""
+    calls = BoundedCalls("kvtool-pointer-read", limit=1)
+    return lambda keys: calls.call(lambda: store.get(keys, POINTER_SIZE), timeout_s, "pointer read")
 
 
 def save_transfer(keys: PromptKeys, ref: ObjectRef, block_id: int) -> BlockTransfer:
@@ -91,7 +94,8 @@ class _Tracked:
     tail_boundary_saved: int | None = None
     last_saved_key: str | None = None
     load_failure: tuple[int, str] | None = None  # (first token recomputed, cause)
-    saved_keys: frozenset[str] = frozenset()  # every object key of the prompt's own save
+    saved_keys: frozenset[str] = frozenset()  # object keys the prompt's own save copied for its puts
+    loading: bool = False  # a load into its blocks is in flight (planned, not yet reported received)
     answer_tokens: int = 0
     answer_objects: int = 0
     answer_last_key: str | None = None
@@ -125,12 +129,18 @@ class SchedulerSide:
             answers_enabled and store is not None and all(g.kind is not GroupKind.STATE for g in self._groups)
         )
         self._pending_saves: list[RequestSave] = []  # answer saves, sent with the next step's metadata
+        self._holding: set[str] = set()  # finished requests whose blocks an answer save holds
         self._tracked: dict[str, _Tracked] = {}
         self._pending_loads: list[RequestLoad] = []
         self._warned: set[str] = set()
         self.stats: Counter[str] = Counter()
         self._lookups = (
-            LookupBatcher(store.exists, config.lookup_timeout_s, calls=lookup_calls, read=_pointer_reader(store))
+            LookupBatcher(
+                store.exists,
+                config.lookup_timeout_s,
+                calls=lookup_calls,
+                read=_pointer_reader(store, config.lookup_timeout_s),
+            )
             if store is not None
             else None
         )
@@ -239,6 +249,7 @@ class SchedulerSide:
                 BlockTransfer(block_id, obj.kind, obj.token_start, obj.token_end, obj.chain_hash, obj.group)
             )
         self._pending_loads.append(RequestLoad(request.request_id, tuple(transfers)))
+        tracked.loading = True
 
     # -- metadata -----------------------------------------------------------------------------------
 
@@ -325,7 +336,6 @@ class SchedulerSide:
             return
         tracked.save_scheduled = True
         planned = plan_save(tracked.keys)
-        tracked.saved_keys = frozenset(s.key for s in planned)
         present = self._known_present(tracked, planned)
         missing = [s for s, found in zip(planned, present, strict=True) if not found]
         sources = [self._source_block(tracked, s, num_computed) for s in missing]
@@ -352,6 +362,7 @@ class SchedulerSide:
                 tail_key=next((s.key for s in planned if s.kind is KeyKind.TAIL), None),
             )
         )
+        tracked.saved_keys = frozenset(s.key for s, _ in usable)
         tracked.save_objects = len(usable)
         tracked.last_saved_key = last_put_key(tracked.keys, [s for s, _ in usable])
         tails = [s.token_end for s, _ in usable if s.kind is KeyKind.TAIL]
@@ -369,13 +380,18 @@ class SchedulerSide:
         request = tracked.request
         if not self._answers_enabled or tracked.unhashable or block_ids is None:
             return None
-        if getattr(request, "num_output_tokens", 0) <= 0:
+        if getattr(request, "num_output_tokens", 0) <= 0 or not tracked.keys.tokens:
             return None  # never ran (an abort while waiting for its load): its blocks may hold nothing
+        if tracked.loading:
+            # Finished while its load (after a preemption) still fills its blocks: they hold nothing yet.
+            self.stats["answer_saves_skipped_loading"] += 1
+            return None
         computed = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
         done = len(tracked.keys.tokens) if tracked.save_scheduled else 0
         if computed <= max(done, 1):
             return None
-        tokens = list(request.all_token_ids)[:computed]
+        # The prompt as it was hashed (vLLM zeroes prompt-embedding positions in all_token_ids), then the answer.
+        tokens = [*tracked.keys.tokens, *getattr(request, "output_token_ids", ())][:computed]
         keys = PromptKeys.build(tokens, self._block_size, self._config.hash_unit, self._namespace,
                                 tracked.keys.root, self._groups, self._grid)  # fmt: skip
         stored = tracked.stored.present if tracked.stored is not None and tracked.load_failure is None else frozenset()
@@ -423,6 +439,20 @@ class SchedulerSide:
             return [False] * len(saves)
         return [s.key in stored.present for s in saves]
 
+    def record_transfers(self, received: set[str] | None, sent: set[str] | None) -> None:
+        """Loads the worker reported received (their blocks are filled, or vLLM recomputes), and answer
+        saves it reported sent (vLLM frees their blocks)."""
+        for req_id in received or ():
+            tracked = self._tracked.get(req_id)
+            if tracked is not None:
+                tracked.loading = False
+        self._holding.difference_update(sent or ())
+
+    def has_pending_block_frees(self) -> bool:
+        """Answer saves hold finished requests' blocks for a step or two: vLLM should wait for them
+        rather than preempt a running request."""
+        return bool(self._holding)
+
     def record_load_failures(self, worker_meta: object) -> None:
         for req_id, failure in getattr(worker_meta, "load_failures", {}).items():
             tracked = self._tracked.get(req_id)
@@ -458,6 +488,7 @@ class SchedulerSide:
         answer = self._plan_answer_save(tracked, block_ids)
         if answer is not None:
             self._pending_saves.append(answer)
+            self._holding.add(request.request_id)
         details = self.hit_details(tracked)
         if self._request_log is not None:
             self._request_log.write(request, details)

@@ -48,8 +48,8 @@ class TimedStore:
     def put(self, key: str, value: bytes) -> PutOutcome:
         return self._calls.call(lambda: self._store.put(key, value), self._config.save_timeout_s, "object put")
 
-    def put_many(self, items: Sequence[tuple[str, bytes]]) -> PutOutcome:
-        return self._calls.call(lambda: self._store.put_many(items), self._config.save_timeout_s, "batch put")
+    def put_many(self, items: Sequence[tuple[str, bytes]], replace: bool = False) -> PutOutcome:
+        return self._calls.call(lambda: self._store.put_many(items, replace), self._config.save_timeout_s, "batch put")
 
     def remove(self, key: str) -> int:
         return self._calls.call(lambda: self._store.remove(key), self._config.save_timeout_s, "object remove")
@@ -116,8 +116,8 @@ class SharedStore:
     def put(self, key: str, value: bytes) -> PutOutcome:
         return self._live().put(key, value)
 
-    def put_many(self, items: Sequence[tuple[str, bytes]]) -> PutOutcome:
-        return self._live().put_many(items)
+    def put_many(self, items: Sequence[tuple[str, bytes]], replace: bool = False) -> PutOutcome:
+        return self._live().put_many(items, replace)
 
     def remove(self, key: str) -> int:
         return self._live().remove(key)

@@ -82,3 +82,12 @@ def test_a_batch_put_stores_every_pointer_and_keeps_what_was_there(store):
     assert store.put_many([(key, f"pointer {i}".encode()) for i, key in enumerate(keys)]) is PutOutcome.STORED
     assert store.get(keys) == [b"pointer 0", b"first", b"pointer 2"]  # first put wins, in a batch too
     assert store.put_many([]) is PutOutcome.STORED
+
+
+def test_a_batch_put_that_replaces_takes_the_new_values(store):
+    from connector.keys import object_key
+
+    keys = [object_key(NS.key_component(), 0, KeyKind.POINTER, end, os.urandom(16)) for end in (8, 16)]
+    assert store.put(keys[0], b"a dangling pointer") is PutOutcome.STORED
+    assert store.put_many([(key, b"pointer") for key in keys], replace=True) is PutOutcome.STORED
+    assert store.get(keys) == [b"pointer", b"pointer"]

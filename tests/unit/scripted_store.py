@@ -28,7 +28,10 @@ class ScriptedStore:
             self.objects.setdefault(key, bytes(value))  # first put wins
         return outcome
 
-    def put_many(self, items):
+    def put_many(self, items, replace=False):
+        if replace:
+            for key, _ in items:
+                self.objects.pop(key, None)
         outcomes = [self.put(key, value) for key, value in items]
         return next((o for o in outcomes if o is not PutOutcome.STORED), PutOutcome.STORED)
 

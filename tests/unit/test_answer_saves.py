@@ -27,6 +27,7 @@ def decoded(tokens, answer, request_id="r1"):
         tokens,
         request_id,
         all_token_ids=list(tokens) + list(answer),
+        output_token_ids=list(answer),
         num_computed_tokens=len(tokens) + len(answer) - 1,
         num_output_tokens=len(answer),
     )
@@ -49,10 +50,14 @@ def test_a_consumer_saves_the_blocks_the_answer_filled_and_its_exact_tail_not_wh
     assert lookup(side, req) == (84, True)
     allocate(side, req, 84)
     side.build_connector_meta(step())
+    side.record_transfers({"r1"}, None)  # the worker reported the load received
     hold, params = side.request_finished(req, ([10, 11, 12, 13],))
     assert hold is True  # vLLM keeps the blocks until the worker reports the copy
+    assert side.has_pending_block_frees()  # vLLM waits a step for them rather than preempt
     (save,) = side.build_connector_meta(step()).saves
     assert save.answer and save.prompt_tokens == 104
+    side.record_transfers(None, {"r1"})
+    assert not side.has_pending_block_frees()
     assert [(t.block_id, t.kind.value, t.token_end) for t in save.transfers] == [(12, "b", 96), (13, "t", 104)]
     details = params["kvtool"]
     assert (details["answer_tokens"], details["answer_save_objects"]) == (104, 2)
@@ -142,3 +147,19 @@ def test_the_worker_reports_an_answer_save_sent_once_it_copied_it_or_could_not()
     disabled = WorkerSide(ns, None, CONFIG, saves_enabled=True)
     disabled.wait_for_save(KVToolMetadata(saves=meta.saves))
     assert disabled.take_sent() == {"r1"}
+
+
+def test_a_request_that_ends_while_its_load_still_fills_its_blocks_saves_nothing():
+    """Preempted after decoding, looked up again with a hit, then aborted while that load is in flight:
+    its blocks hold nothing yet, and vLLM holds them itself until the load is reported."""
+    store = ScriptedStore()
+    publish(store, PROMPT)
+    side = engine(store)
+    req = decoded(PROMPT, ANSWER)
+    req.num_computed_tokens = 84  # vLLM counts the hit as computed while the load runs
+    assert lookup(side, req) == (84, True)
+    allocate(side, req, 84)
+    side.build_connector_meta(step())
+    assert side.request_finished(req, ([10, 11, 12],))[0] is False
+    assert side.build_connector_meta(step()).saves == []
+    assert side.take_stats()["answer_saves_skipped_loading"] == 1

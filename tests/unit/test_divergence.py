@@ -212,3 +212,30 @@ def test_on_a_mamba_model_a_divergence_point_is_a_hit_only_where_a_state_is_stor
     stored = hybrid_published(STORED, groups, states=(32, 64))
     assert hybrid_hit(stored, diverging(70, 80), groups) == 64  # pointers at 70, but no state there
     assert hybrid_hit(hybrid_published(STORED, groups, states=(32, 64, 70)), diverging(70, 80), groups) == 70
+
+
+def test_a_failed_pointer_read_costs_only_the_pointer_hits_of_its_batch():
+    from connector.calls import StoreError
+    from connector.prefix import find_stored_prefixes
+
+    store = ScriptedStore()
+    save_with_pointers(store, kv_caches("random"), STORED, (3, 5, 1), grid=8)
+
+    def failing_read(keys):
+        raise StoreError("pointer read timed out after 2 s")
+
+    extending, leaving = keys_for(STORED + [7, 8, 9], grid=8), keys_for(diverging(75, 90), grid=8)
+    found = find_stored_prefixes([extending, leaving], store.exists, failing_read)
+    assert [prefix.hit_tokens for prefix in found] == [85, 64]  # the extension keeps its tail hit
+
+
+def test_a_new_save_replaces_a_pointer_whose_object_is_gone():
+    store = ScriptedStore()
+    save_with_pointers(store, kv_caches("random"), STORED, (3, 5, 1), grid=8)
+    del store.objects[keys_for(STORED).tail_key(85)]  # evicted; its pointer at 72 stays
+    assert resolved_lookup(store, diverging(75, 90), grid=8)[0].hit_tokens == 64
+    other = STORED[:80] + [5] * 10  # shares the first 80 tokens: a tail ending at 90, a pointer at 72 too
+    save_with_pointers(store, kv_caches("random"), other, (3, 5, 2), grid=8)
+    stored, plan = resolved_lookup(store, diverging(75, 90), grid=8)
+    assert stored.hit_tokens == 72
+    assert plan.objects[-1].key == keys_for(other).tail_key(90)
