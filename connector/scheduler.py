@@ -31,10 +31,16 @@ if TYPE_CHECKING:
 logger = logging.getLogger("vllm.kvtool")
 
 
+# A pointer read gets this share of the lookup's time-out: when it stalls (a first transfer from a
+# peer's segment can, see the README's known issues), the lookup still answers, with the hit that
+# needs no pointer.
+POINTER_READ_SHARE = 0.25
+
+
 def _pointer_reader(store: KVStore, timeout_s: float) -> Callable[[list[str]], list[bytes | None]]:
-    """How a lookup reads the pointer records its hit relies on (small objects): within the lookup's own
-    time budget, on one thread of its own (a read still stuck there fails the next one at once), so a
-    slow read costs that lookup its pointer hits, never a stall of later lookups."""
+    """How a lookup reads the pointer records its hit relies on (small objects): within a share of the
+    lookup's time budget, on one thread of its own (a read still stuck there fails the next one at
+    once), so a slow read costs lookups their pointer hits only, never their other hits or a stall."""
     calls = BoundedCalls("kvtool-pointer-read", limit=1)
     return lambda keys: calls.call(lambda: store.get(keys, POINTER_SIZE), timeout_s, "pointer read")
 
@@ -139,7 +145,7 @@ class SchedulerSide:
                 store.exists,
                 config.lookup_timeout_s,
                 calls=lookup_calls,
-                read=_pointer_reader(store, config.lookup_timeout_s),
+                read=_pointer_reader(store, config.lookup_timeout_s * POINTER_READ_SHARE),
             )
             if store is not None
             else None

@@ -101,6 +101,24 @@ def consume(
     return hit_details(answer), answer
 
 
+def warm_pointer_reads(pair: dict, timeout_s: float = 120.0) -> None:
+    """Wait until the consumer's lookups read pointer records: a divergence point inside a stored block
+    hits. The scheduler side's first read from a peer's segment can stall (Mooncake TCP, about 30 s;
+    the README's known issues); meanwhile lookups fall back to whole blocks, as they must."""
+    block, grid = pair["block_size"], pair["divergence_grid"]
+    deadline, seed = time.monotonic() + timeout_s, 7000
+    while True:
+        stored = prompt(seed, 2 * block)
+        produce(pair, stored)
+        common = block + grid
+        details, _ = consume(pair, stored[:common] + prompt(seed + 1, 8))
+        if details.reused_tokens == common:
+            return
+        assert time.monotonic() < deadline, f"no pointer hit in {timeout_s:.0f} s: {details}"
+        time.sleep(2.0)
+        seed += 2
+
+
 @contextmanager
 def store_client(pair: dict) -> Iterator[TimedStore]:
     """A store client of the test's own on the pair's master, lending no memory."""

@@ -12,7 +12,7 @@ import pytest
 from kvtool.admin import wait_for_key
 
 from .conftest import running_pair
-from .pairtools import consume, produce, prompt, wait_save_ended
+from .pairtools import consume, produce, prompt, wait_save_ended, warm_pointer_reads
 
 pytestmark = pytest.mark.e2e
 
@@ -56,6 +56,7 @@ def test_a_three_turn_chat_reuses_every_previous_prompt_and_answer_to_the_token(
     ids=["inside-a-block", "inside-a-tail", "inside-a-sub-block-prompt"],
 )
 def test_a_prompt_leaving_a_stored_one_inside_an_object_hits_exactly_the_common_prefix(both_pair, common, length):
+    warm_pointer_reads(both_pair)
     stored = prompt(60 + common, 85 if common > 20 else 20)  # 85: blocks ending at 32, 64 and a tail at 85
     produce(both_pair, stored)
     diverging = stored[:common] + prompt(70 + common, length - common)
@@ -68,6 +69,7 @@ def test_a_prompt_leaving_a_stored_one_inside_an_object_hits_exactly_the_common_
 def test_on_the_default_grid_a_divergence_point_is_found_rounded_down_to_it(pair):
     """The session pair runs the auto grid (a quarter block: 8 tokens of 32)."""
     assert pair["divergence_grid"] == 8
+    warm_pointer_reads(pair)
     stored = prompt(90, 85)
     produce(pair, stored)
     for common, expected in ((56, 56), (53, 48), (78, 72)):
