@@ -61,7 +61,7 @@ from connector.mooncake import MooncakeStore  # noqa: E402
 from connector.objects import HEADER_SIZE, POINTER_SIZE  # noqa: E402
 from connector.prefix import PromptKeys, StoredPrefix, find_stored_prefixes, plan_save  # noqa: E402
 from connector.saver import ObjectCopy, Saver, SaveJob  # noqa: E402
-from connector.scheduler import save_transfer  # noqa: E402
+from connector.scheduler import _pointer_reader, save_transfer  # noqa: E402
 from connector.store import KVStore, PutOutcome, open_store  # noqa: E402
 from connector.worker import WorkerSide  # noqa: E402
 
@@ -445,13 +445,14 @@ LOOKUPS = {32: 200, 256: 30}
 WARMUP_LOOKUPS = 5
 DIVERGE_AT = 4 * 8 + 5  # case (b): prompts leave a stored one 5/8 into its block 4 (in eighths of a block)
 ROOT = RequestIdentity().root_hash()
+DEFAULTS = KVToolConfig(master_server_address="127.0.0.1:1")  # the connector's default settings
 STORED_TOKENS = (1, 50_000)  # stored prompts draw from here, new tokens from above: they always differ
 NEW_TOKENS = (50_000, 100_000)
 
 
 def connector_grids(block: int) -> tuple[int, ...]:
     """Off, the connector's default (``auto``, asked of the connector), every token."""
-    auto = divergence_grid(KVToolConfig(master_server_address="127.0.0.1:1"), block)
+    auto = divergence_grid(DEFAULTS, block)
     return (0, auto, 1)
 
 
@@ -524,9 +525,9 @@ class CallLog:
         with self._timed("watermarks" if decoded and decoded.kind is KeyKind.WATERMARK else "objects", 1):
             return self._store.put(key, value)
 
-    def put_many(self, items: Sequence[tuple[str, bytes]]) -> PutOutcome:
+    def put_many(self, items: Sequence[tuple[str, bytes]], replace: bool = False) -> PutOutcome:
         with self._timed("pointers", len(items)):
-            return self._store.put_many(items)
+            return self._store.put_many(items, replace)
 
     def remove(self, key: str) -> int:
         return self._store.remove(key)
@@ -556,7 +557,7 @@ def save_job(setting: Setting, worker: WorkerSide, tokens: Sequence[int], number
 
 def timed_saves(setting: Setting, log: CallLog, prompts: Sequence[list[int]]) -> list[Counter[str]]:
     """The put thread's work (``Saver._run``) for each prompt's save: its time in all and per call kind."""
-    worker = WorkerSide(setting.namespace, None, KVToolConfig(master_server_address="127.0.0.1:1"), saves_enabled=False)
+    worker = WorkerSide(setting.namespace, None, DEFAULTS, saves_enabled=False)
     saver = Saver(log, budget_bytes=1 << 40, drain_timeout_s=1.0)
     spent = []
     for number, tokens in enumerate(prompts):
@@ -621,8 +622,9 @@ def expected_hit(setting: Setting, case: str) -> int:
 
 
 def timed_lookups(setting: Setting, log: CallLog, prompts: Sequence[PromptKeys], expected: int) -> dict[str, Any]:
-    """``find_stored_prefixes`` for one prompt at a time, as the connector calls it; every hit checked."""
-    read = lambda keys: log.get(keys, POINTER_SIZE)  # noqa: E731 - the scheduler's pointer reader
+    """``find_stored_prefixes`` for one prompt at a time, with the scheduler's pointer reader; every hit
+    checked."""
+    read = _pointer_reader(log, DEFAULTS.lookup_timeout_s)
     found: list[StoredPrefix] = []
 
     def call(index: int) -> None:
