@@ -55,6 +55,8 @@ class PromptKeys:
     grid: int = 0
     # Tail hashes already computed: a lookup asks for the same ones in every group and candidate.
     _tails: dict[int, bytes] = field(default_factory=dict, compare=False, repr=False)
+    # Inner candidate ends per block, likewise asked for again and again.
+    _inner: dict[int, list[int]] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def build(
@@ -140,10 +142,13 @@ class PromptKeys:
     def inner_candidates(self, block_index: int) -> list[int]:
         """Where a stored prefix may end inside block ``block_index``: a tail (on the hash-unit grid)
         or a pointer (on the divergence grid)."""
-        ends = set(self.tail_candidates(block_index))
-        if self.grid:
-            ends.update(tail_boundaries(block_index, self.block_size, self.grid, len(self.tokens)))
-        return sorted(ends)
+        ends = self._inner.get(block_index)
+        if ends is None:
+            found = set(self.tail_candidates(block_index))
+            if self.grid:
+                found.update(tail_boundaries(block_index, self.block_size, self.grid, len(self.tokens)))
+            ends = self._inner[block_index] = sorted(found)
+        return ends
 
     def _inner_refs(self, end: int, group: int) -> list[ObjectRef]:
         """What may hold a prefix ending at ``end`` inside a block: its tail, its pointer."""

@@ -130,15 +130,19 @@ class WorkerSide:
         return tuple(
             (
                 object_key(self._ns_key, transfer.group, KeyKind.POINTER, boundary, digest),
-                encode_pointer(self._pointer(boundary, digest, transfer)),
+                encode_pointer(
+                    PointerRecord(
+                        self._fingerprint,
+                        digest,
+                        transfer.group,
+                        boundary,
+                        transfer.kind,
+                        transfer.token_end,
+                        transfer.chain_hash,
+                    )  # fmt: skip
+                ),
             )
             for boundary, digest in transfer.pointers
-        )
-
-    def _pointer(self, boundary: int, digest: bytes, target: BlockTransfer) -> PointerRecord:
-        """The pointer at ``boundary`` (prefix hash ``digest``) to ``target``, an object of its group."""
-        return PointerRecord(
-            self._fingerprint, digest, target.group, boundary, target.kind, target.token_end, target.chain_hash
         )
 
     def _count(self, name: str, amount: int = 1) -> None:
