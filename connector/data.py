@@ -57,15 +57,24 @@ class RequestSave:
     # the worker reports it in ``finished_sending``, which it does once it copied them (or gave up).
     # Its watermark records are the request's ``answer_watermark_id``.
     answer: bool = False
+    # A streaming-input session's chunk (0: the first prompt): each chunk's prompt save has records of
+    # its own, since records are immutable.
+    turn: int = 0
 
     @property
     def watermark_id(self) -> str:
-        return answer_watermark_id(self.req_id) if self.answer else self.req_id
+        return answer_watermark_id(self.req_id) if self.answer else prompt_watermark_id(self.req_id, self.turn)
 
 
 def answer_watermark_id(req_id: str) -> str:
     """The id an answer save's watermark records are keyed by (the prompt's save has the request's)."""
     return f"{req_id}#answer"
+
+
+def prompt_watermark_id(req_id: str, turn: int = 0) -> str:
+    """The id a prompt save's watermark records are keyed by: the request's, or for a streaming-input
+    session's later chunk, the request's and the chunk's number."""
+    return req_id if turn == 0 else f"{req_id}#turn{turn}"
 
 
 @dataclass

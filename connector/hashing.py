@@ -32,8 +32,27 @@ def _digest(*parts: bytes) -> bytes:
     return h.digest()
 
 
+MAX_TOKEN_ID = 2**32 - 1
+
+
+class UnkeyableTokens(ValueError):
+    """A token id the key schema cannot encode (outside 0..2^32-1): the prompt has no keys."""
+
+
+def check_token_ids(tokens: Sequence[int]) -> None:
+    """Raise ``UnkeyableTokens`` unless every id fits the key schema's uint32 (checked once per prompt:
+    tails are hashed later, off the engine's thread, where an error would be a failed lookup)."""
+    if tokens and (min(tokens) < 0 or max(tokens) > MAX_TOKEN_ID):
+        bad = next(t for t in tokens if not 0 <= t <= MAX_TOKEN_ID)
+        raise UnkeyableTokens(f"token id {bad} is outside 0..{MAX_TOKEN_ID}")
+
+
 def _token_bytes(tokens: Sequence[int]) -> bytes:
-    return struct.pack(f"<{len(tokens)}I", *tokens)
+    try:
+        return struct.pack(f"<{len(tokens)}I", *tokens)
+    except (struct.error, TypeError) as exc:
+        bad = next((t for t in tokens if not isinstance(t, int) or not 0 <= t <= MAX_TOKEN_ID), None)
+        raise UnkeyableTokens(f"token id {bad!r} is outside 0..{MAX_TOKEN_ID}") from exc
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,23 @@ def request_identity(request: Request) -> RequestIdentity:
     )
 
 
+def prompt_tokens(request: Request) -> list[int]:
+    """The prompt's token ids as its KV was computed: in a mixed prompt (``prompt_is_token_ids``) the
+    embedded positions carry placeholder ids of any value (-1 included), which vLLM zeroes before the
+    forward pass; the chain root digests the embeddings and that mask, so zeros key them exactly."""
+    ids = getattr(request, "prompt_token_ids", None) or []
+    mask = getattr(request, "prompt_is_token_ids", None)
+    if mask is None:
+        return list(ids)
+    return [token if is_token else 0 for token, is_token in zip(ids, mask, strict=False)]
+
+
+def identity_size(request: Request) -> tuple[int, int]:
+    """What grows when vLLM resumes a request as a streaming-input session (``prompt_token_ids``
+    extended, multimodal features appended): compared on every use, it tells stale keys."""
+    return len(getattr(request, "prompt_token_ids", None) or ()), len(getattr(request, "mm_features", None) or ())
+
+
 def _mm_hash(feature: Any) -> str:
     """A multimodal input's identifier and where its placeholder lies (vLLM's own prefix cache keys
     on the position too: the same item at another offset is other KV)."""

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from .groups import CacheGroup, GroupKind
-from .hashing import block_hashes, save_tail_boundary, tail_boundaries, tail_hash
+from .hashing import block_hashes, check_token_ids, save_tail_boundary, tail_boundaries, tail_hash
 from .keys import KeyKind, decode_key, object_key
 from .calls import StoreError
 from .objects import ObjectRejected, verify_pointer
@@ -73,6 +73,7 @@ class PromptKeys:
         if any(group.block_size != block_size for group in groups):
             raise ValueError("every cache group must use the prompt's block size")
         tokens = tuple(tokens)
+        check_token_ids(tokens)
         chain = tuple(block_hashes(tokens, block_size, root))
         return cls(tokens, block_size, hash_unit, namespace, root, chain, groups, grid)
 

@@ -2,26 +2,24 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from .config import KVToolConfig, divergence_grid
-from .data import BlockTransfer, KVToolMetadata, RequestLoad, RequestSave, StoredObject
+from .data import BlockTransfer, KVToolMetadata, RequestLoad, RequestSave, StoredObject, prompt_watermark_id
 from .groups import NULL_BLOCK_ID, CacheGroup, GroupKind
-from .hashing import RequestIdentity
 from .hits import HitDetails
-from .identity import UnhashableRequest, request_identity
 from .keys import KeyKind, Namespace, watermark_key
 from .objects import POINTER_SIZE
 from .watermarks import SEQ_FINAL
 from .calls import BoundedCalls
 from .lookups import LookupBatcher
-from .prefix import LoadPlan, ObjectRef, PromptKeys, StoredPrefix, plan_load, plan_save, single_group
+from .prefix import ObjectRef, PromptKeys, StoredPrefix, plan_load, plan_save, single_group
 from .store import KVStore, StoreError
+from .tracking import KeySpace, RequestLog, TrackedRequest
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -58,55 +56,6 @@ def last_put_key(keys: PromptKeys, saved: list[ObjectRef]) -> str:
     return pointers[-1].key if pointers else saved[-1].key
 
 
-class RequestLog:
-    """Appends one JSON line per finished request: its hit details, its vLLM request id, and the
-    ``kvtool_tag`` the client put in the request's ``kv_transfer_params`` (streamed responses carry
-    no ``kv_transfer_params``, so a client attributes hits through this file)."""
-
-    def __init__(self, path: str):
-        self._path = path
-        self._failed = False
-
-    def write(self, request: Request, details: HitDetails) -> None:
-        if self._failed:
-            return
-        params = getattr(request, "kv_transfer_params", None) or {}
-        record = replace(details, request_id=request.request_id, tag=params.get("kvtool_tag")).to_dict()
-        try:
-            with open(self._path, "a", encoding="utf-8") as log:
-                log.write(json.dumps(record, separators=(",", ":")) + "\n")
-        except OSError as exc:
-            self._failed = True
-            logger.warning("kvtool: cannot write the request log %s (%s); no longer writing it", self._path, exc)
-
-
-@dataclass
-class _Tracked:
-    """What the scheduler side keeps about one live request."""
-
-    request: Request
-    keys: PromptKeys
-    block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group
-    plan: LoadPlan | None = None
-    stored: StoredPrefix | None = None  # what the last lookup found stored
-    offered: bool = False  # a lookup answered vLLM and its allocation is still to come
-    unhashable: str | None = None  # why its identity cannot be read (then it is never looked up or saved)
-    stored_prefix_tokens: int = 0
-    lookup: str = "not looked up"
-    local_tokens: int = 0  # vLLM's own (block-aligned) prefix-cache hit, as presented to the lookup
-    granted_external: int = 0  # external tokens the scheduler took
-    save_scheduled: bool = False
-    save_objects: int = 0
-    tail_boundary_saved: int | None = None
-    last_saved_key: str | None = None
-    load_failure: tuple[int, str] | None = None  # (first token recomputed, cause)
-    saved_keys: frozenset[str] = frozenset()  # object keys the prompt's own save copied for its puts
-    loading: bool = False  # a load into its blocks is in flight (planned, not yet reported received)
-    answer_tokens: int = 0
-    answer_objects: int = 0
-    answer_last_key: str | None = None
-
-
 class SchedulerSide:
     def __init__(
         self,
@@ -136,7 +85,8 @@ class SchedulerSide:
         )
         self._pending_saves: list[RequestSave] = []  # answer saves, sent with the next step's metadata
         self._holding: set[str] = set()  # finished requests whose blocks an answer save holds
-        self._tracked: dict[str, _Tracked] = {}
+        self._space = KeySpace(self._block_size, config.hash_unit, self._namespace, self._groups, self._grid)
+        self._tracked: dict[str, TrackedRequest] = {}
         self._pending_loads: list[RequestLoad] = []
         self._warned: set[str] = set()
         self.stats: Counter[str] = Counter()
@@ -154,31 +104,30 @@ class SchedulerSide:
 
     # -- lookup -------------------------------------------------------------------------------------
 
-    def _track(self, request: Request) -> _Tracked:
+    def _track(self, request: Request) -> TrackedRequest:
         tracked = self._tracked.get(request.request_id)
         if tracked is None:
-            unhashable = None
-            try:
-                root = request_identity(request).root_hash()
-            except UnhashableRequest as exc:
-                # Without its whole identity its keys could be another request's: no lookup, no save.
-                unhashable, root = str(exc), RequestIdentity().root_hash()
-                self.stats["requests_unhashable"] += 1
-                self._warn_once("unhashable", f"kvtool: a request is neither looked up nor stored: {exc}")
-            keys = PromptKeys.build(
-                request.prompt_token_ids or [],
-                self._block_size,
-                self._config.hash_unit,
-                self._namespace,
-                root,
-                self._groups,
-                self._grid,
-            )
-            tracked = _Tracked(request=request, keys=keys, unhashable=unhashable)
-            if unhashable:
-                tracked.lookup = f"not looked up: {unhashable}"
-            self._tracked[request.request_id] = tracked
+            tracked = self._tracked[request.request_id] = TrackedRequest.start(request, self._space)
+            self._count_unhashable(tracked)
+        return self._refreshed(tracked)
+
+    def _live(self, req_id: str) -> TrackedRequest | None:
+        """A tracked request, keyed for what its blocks hold now."""
+        tracked = self._tracked.get(req_id)
+        return self._refreshed(tracked) if tracked is not None else None
+
+    def _refreshed(self, tracked: TrackedRequest) -> TrackedRequest:
+        if tracked.refresh(self._space):
+            # A streaming-input session's next chunk: it is never looked up (vLLM resumes it from the
+            # blocks it holds), and its prompt is saved anew when complete, under the new keys.
+            self.stats["session_chunks_rekeyed"] += 1
+            self._count_unhashable(tracked)
         return tracked
+
+    def _count_unhashable(self, tracked: TrackedRequest) -> None:
+        if tracked.unhashable:
+            self.stats["requests_unhashable"] += 1
+            self._warn_once("unhashable", f"kvtool: a request is neither looked up nor stored: {tracked.unhashable}")
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """The external hit, or None while its lookup is in flight (vLLM retries on a later step).
@@ -271,14 +220,14 @@ class SchedulerSide:
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
         self._current_tables = block_state.get_block_ids if block_state is not None else None
         for new_req in scheduler_output.scheduled_new_reqs:
-            tracked = self._tracked.get(new_req.req_id)
+            tracked = self._live(new_req.req_id)
             if tracked is None:
                 continue
             tracked.block_ids = [list(ids) for ids in new_req.block_ids]
             self._maybe_save(meta, tracked, new_req.num_computed_tokens, scheduler_output)
         cached = scheduler_output.scheduled_cached_reqs
         for index, req_id in enumerate(cached.req_ids):
-            tracked = self._tracked.get(req_id)
+            tracked = self._live(req_id)
             if tracked is None:
                 continue
             new_block_ids = cached.new_block_ids[index]
@@ -303,7 +252,7 @@ class SchedulerSide:
         itself sent unchanged, hits at the last boundary its state group holds."""
         saves = {save.req_id: index for index, save in enumerate(meta.saves)}
         for req_id, entries in offloads.items():
-            tracked = self._tracked.get(req_id)
+            tracked = self._live(req_id)
             if tracked is None or tracked.unhashable:
                 continue
             keys, prompt_len = tracked.keys, len(tracked.keys.tokens)
@@ -330,7 +279,7 @@ class SchedulerSide:
                 meta.saves.append(RequestSave(req_id, tuple(transfers), prompt_tokens=prompt_len, checkpoint=True))
 
     def _maybe_save(
-        self, meta: KVToolMetadata, tracked: _Tracked, num_computed: int, scheduler_output: SchedulerOutput
+        self, meta: KVToolMetadata, tracked: TrackedRequest, num_computed: int, scheduler_output: SchedulerOutput
     ) -> None:
         """Publish the prompt's KV in the step that completes it (so a max_tokens=1 request publishes too)."""
         if tracked.save_scheduled or tracked.unhashable:
@@ -366,17 +315,18 @@ class SchedulerSide:
                 tag=params.get("kvtool_tag"),
                 last_block_key=next((s.key for s in reversed(planned) if s.kind is KeyKind.BLOCK), None),
                 tail_key=next((s.key for s in planned if s.kind is KeyKind.TAIL), None),
+                turn=tracked.turn,
             )
         )
-        tracked.saved_keys = frozenset(s.key for s, _ in usable)
-        tracked.save_objects = len(usable)
+        tracked.saved_keys |= frozenset(s.key for s, _ in usable)
+        tracked.save_objects += len(usable)
         tracked.last_saved_key = last_put_key(tracked.keys, [s for s, _ in usable])
         tails = [s.token_end for s, _ in usable if s.kind is KeyKind.TAIL]
         tracked.tail_boundary_saved = tails[0] if tails else None
 
     # -- answers ------------------------------------------------------------------------------------
 
-    def _plan_answer_save(self, tracked: _Tracked, block_ids: tuple[list[int], ...] | None) -> RequestSave | None:
+    def _plan_answer_save(self, tracked: TrackedRequest, block_ids: tuple[list[int], ...] | None) -> RequestSave | None:
         """The save of prompt + answer at request end: every object of the tokens whose KV the request
         computed (the last generated token has none) that is not known stored, from the request's
         current blocks, which vLLM keeps until the worker has copied them (``finished_sending``).
@@ -398,8 +348,7 @@ class SchedulerSide:
             return None
         # The prompt as it was hashed (vLLM zeroes prompt-embedding positions in all_token_ids), then the answer.
         tokens = [*tracked.keys.tokens, *getattr(request, "output_token_ids", ())][:computed]
-        keys = PromptKeys.build(tokens, self._block_size, self._config.hash_unit, self._namespace,
-                                tracked.keys.root, self._groups, self._grid)  # fmt: skip
+        keys = self._space.keys(tokens, tracked.keys.root)
         stored = tracked.stored.present if tracked.stored is not None and tracked.load_failure is None else frozenset()
         known = stored | tracked.saved_keys
         usable = []
@@ -418,7 +367,7 @@ class SchedulerSide:
         return RequestSave(request.request_id, transfers, prompt_tokens=computed, tag=params.get("kvtool_tag"),
                            answer=True)  # fmt: skip
 
-    def _source_block(self, tracked: _Tracked, save: ObjectRef, computed_before_step: int) -> int | None:
+    def _source_block(self, tracked: TrackedRequest, save: ObjectRef, computed_before_step: int) -> int | None:
         """The block a save object is copied from, or None when the request no longer holds it."""
         tables = self._current_tables(tracked.request.request_id) if self._current_tables is not None else None
         if tables is None:
@@ -432,7 +381,7 @@ class SchedulerSide:
             return None  # freed when this step began: its id may already hold another request's KV
         return ids[save.block_index]
 
-    def _known_present(self, tracked: _Tracked, saves: list[ObjectRef]) -> list[bool]:
+    def _known_present(self, tracked: TrackedRequest, saves: list[ObjectRef]) -> list[bool]:
         """Which of the prompt's objects a lookup already found stored (no copy needed for those).
 
         Nothing is taken as present after a failed load (the object may be gone); the worker asks
@@ -491,6 +440,7 @@ class SchedulerSide:
         tracked = self._tracked.pop(request.request_id, None)
         if tracked is None:
             return False, None
+        self._refreshed(tracked)  # a session whose next chunk arrived: its blocks hold that prompt's start
         answer = self._plan_answer_save(tracked, block_ids)
         if answer is not None:
             self._pending_saves.append(answer)
@@ -501,7 +451,7 @@ class SchedulerSide:
         return answer is not None, {"kvtool": details.to_dict()}
 
     @staticmethod
-    def hit_details(tracked: _Tracked) -> HitDetails:
+    def hit_details(tracked: TrackedRequest) -> HitDetails:
         plan = tracked.plan
         local = tracked.local_tokens
         external = tracked.granted_external
@@ -525,7 +475,9 @@ class SchedulerSide:
             save_objects=tracked.save_objects,
             save_tail_boundary=tracked.tail_boundary_saved,
             save_last_key=tracked.last_saved_key,
-            watermark_key=watermark_key(tracked.keys.namespace, tracked.request.request_id, SEQ_FINAL)
+            watermark_key=watermark_key(
+                tracked.keys.namespace, prompt_watermark_id(tracked.request.request_id, tracked.turn), SEQ_FINAL
+            )
             if tracked.save_objects
             else None,
             namespace=tracked.keys.namespace,

@@ -1,0 +1,125 @@
+"""What the scheduler side keeps about each live request, and the keys that name what its blocks hold.
+
+A request's keys are built from its prompt and identity when the connector first sees it, and built
+again whenever vLLM has changed them since: a streaming-input session (``_update_request_as_session``)
+extends the prompt with the kept answer and the next chunk, and may add multimodal inputs, while the
+request keeps its blocks. Keys that no longer name what the blocks hold would let a later prompt load
+KV of other tokens, so every use goes through ``TrackedRequest.refresh``.
+
+A request whose identity or tokens cannot be keyed (unreadable embeddings or multimodal inputs, a token
+id outside the key schema's uint32) is neither looked up nor saved: a miss, counted, never an error.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+from .groups import CacheGroup
+from .hashing import RequestIdentity, UnkeyableTokens
+from .hits import HitDetails
+from .identity import UnhashableRequest, identity_size, prompt_tokens, request_identity
+from .prefix import LoadPlan, PromptKeys, StoredPrefix
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("vllm.kvtool")
+
+
+@dataclass(frozen=True)
+class KeySpace:
+    """How an engine keys prompts: block size, hash unit, namespace, cache groups, divergence grid."""
+
+    block_size: int
+    hash_unit: int
+    namespace: str
+    groups: tuple[CacheGroup, ...]
+    grid: int
+
+    def keys(self, tokens: list[int] | tuple[int, ...], root: bytes) -> PromptKeys:
+        return PromptKeys.build(tokens, self.block_size, self.hash_unit, self.namespace, root, self.groups, self.grid)
+
+
+def request_keys(request: Request, space: KeySpace) -> tuple[PromptKeys, str | None]:
+    """The request's prompt keys, or empty keys and the reason it cannot be keyed."""
+    try:
+        root = request_identity(request).root_hash()
+        return space.keys(prompt_tokens(request), root), None
+    except (UnhashableRequest, UnkeyableTokens) as exc:
+        return space.keys((), RequestIdentity().root_hash()), str(exc)
+
+
+@dataclass
+class TrackedRequest:
+    """What the scheduler side keeps about one live request."""
+
+    request: Request
+    keys: PromptKeys
+    keyed_size: tuple[int, int] = (0, 0)  # identity_size(request) when ``keys`` were built
+    turn: int = 0  # streaming-input chunks seen before the current one (0: the first)
+    block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group
+    plan: LoadPlan | None = None
+    stored: StoredPrefix | None = None  # what the last lookup found stored
+    offered: bool = False  # a lookup answered vLLM and its allocation is still to come
+    unhashable: str | None = None  # why it cannot be keyed (then it is never looked up or saved)
+    stored_prefix_tokens: int = 0
+    lookup: str = "not looked up"
+    local_tokens: int = 0  # vLLM's own (block-aligned) prefix-cache hit, as presented to the lookup
+    granted_external: int = 0  # external tokens the scheduler took
+    save_scheduled: bool = False
+    save_objects: int = 0
+    tail_boundary_saved: int | None = None
+    last_saved_key: str | None = None
+    load_failure: tuple[int, str] | None = None  # (first token recomputed, cause)
+    saved_keys: frozenset[str] = frozenset()  # object keys the prompt's saves copied for their puts
+    loading: bool = False  # a load into its blocks is in flight (planned, not yet reported received)
+    answer_tokens: int = 0
+    answer_objects: int = 0
+    answer_last_key: str | None = None
+
+    @classmethod
+    def start(cls, request: Request, space: KeySpace) -> TrackedRequest:
+        keys, unhashable = request_keys(request, space)
+        tracked = cls(request=request, keys=keys, keyed_size=identity_size(request), unhashable=unhashable)
+        if unhashable:
+            tracked.lookup = f"not looked up: {unhashable}"
+        return tracked
+
+    def refresh(self, space: KeySpace) -> bool:
+        """Key the request again if vLLM changed its prompt or identity since (a streaming-input
+        session's next chunk): its next save publishes the whole new prompt under its own keys.
+        Returns True when it did."""
+        size = identity_size(self.request)
+        if size == self.keyed_size:
+            return False
+        self.keys, unhashable = request_keys(self.request, space)
+        self.keyed_size = size
+        self.unhashable = self.unhashable or unhashable
+        self.turn += 1
+        self.save_scheduled = False  # the new prompt is saved when it is complete
+        return True
+
+
+class RequestLog:
+    """Appends one JSON line per finished request: its hit details, its vLLM request id, and the
+    ``kvtool_tag`` the client put in the request's ``kv_transfer_params`` (streamed responses carry
+    no ``kv_transfer_params``, so a client attributes hits through this file)."""
+
+    def __init__(self, path: str):
+        self._path = path
+        self._failed = False
+
+    def write(self, request: Request, details: HitDetails) -> None:
+        if self._failed:
+            return
+        params = getattr(request, "kv_transfer_params", None) or {}
+        record = replace(details, request_id=request.request_id, tag=params.get("kvtool_tag")).to_dict()
+        try:
+            with open(self._path, "a", encoding="utf-8") as log:
+                log.write(json.dumps(record, separators=(",", ":")) + "\n")
+        except OSError as exc:
+            self._failed = True
+            logger.warning("kvtool: cannot write the request log %s (%s); no longer writing it", self._path, exc)
