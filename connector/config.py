@@ -75,6 +75,12 @@ class KVToolConfig(BaseModel):
     save_buffer_bytes: int = Field(
         default=1 << 30, gt=0, description="host copies of saves waiting for their puts, at most; beyond, dropped"
     )
+    load_buffer_bytes: int = Field(
+        default=1 << 30,
+        gt=0,
+        description="fetched objects of loads in flight, at most; a load that does not fit waits its turn "
+        "(one load always runs)",
+    )
     shutdown_drain_s: float = Field(default=10.0, ge=0, description="how long shutdown lets queued saves finish")
 
     @field_validator("divergence_grid")

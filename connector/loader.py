@@ -14,11 +14,13 @@ request, and a failed one is a miss that no other request can ever see.
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .calls import BoundedCalls, StoreError
+from .calls import BoundedCalls, StoreBusy, StoreError
 from .data import BlockTransfer, RequestLoad
 from .keys import KeyKind
 from .objects import ObjectHeader, ObjectRejected, verify_object
@@ -30,7 +32,7 @@ _KIND_NAMES = {KeyKind.BLOCK: "block", KeyKind.TAIL: "tail", KeyKind.STATE: "sta
 
 @dataclass(frozen=True)
 class LoadFailure:
-    cause: str  # a metric label: store_error, missing, timeout, busy, checksum, ...
+    cause: str  # a metric label: store_error, missing, timeout, no_turn, checksum, ...
     detail: str
 
 
@@ -69,7 +71,8 @@ def fetch(
 @dataclass
 class _InFlight:
     load: RequestLoad
-    deadline: float
+    deadline: float  # to start, while queued; to answer, once started
+    size: int = 0  # bytes its fetch holds
     future: concurrent.futures.Future[Fetched] | None = None
     failure: LoadFailure | None = None  # failed before it started
 
@@ -82,7 +85,17 @@ class Finished:
     failed: dict[str, tuple[int, LoadFailure]] | None = None
 
 
+# Fetch threads: loads wait on the network with the GIL released, so a few run side by side; more
+# only adds threads stuck on a frozen store. Bytes in flight are what bounds loads (``budget_bytes``).
+LOAD_THREADS = 4
+
+
 class Loader:
+    """Starts loads in arrival order while their bytes fit ``budget_bytes`` (one load always fits
+    when none is in flight) and a fetch thread is free; the others wait their turn, as the request
+    waits for its external tokens in vLLM. A load that cannot start within the load time-out (a hung
+    store keeps every thread) or does not answer within it once started fails: a miss, never a hang."""
+
     def __init__(
         self,
         store: KVStore | None,
@@ -92,6 +105,7 @@ class Loader:
         object_bytes: Callable[[], int],
         write_block: Callable[[BlockTransfer, memoryview], None],
         timeout_s: float,
+        budget_bytes: int,
         clock: Callable[[], float] = time.monotonic,
         calls: BoundedCalls | None = None,
     ):
@@ -101,24 +115,68 @@ class Loader:
         self._object_bytes = object_bytes
         self._write_block = write_block
         self._timeout_s = timeout_s
+        self._budget_bytes = budget_bytes
         self._clock = clock
-        self._calls = calls or BoundedCalls("kvtool-load", limit=2)
+        self._calls = calls or BoundedCalls("kvtool-load", limit=LOAD_THREADS)
         self._in_flight: dict[str, _InFlight] = {}
+        self._queue: deque[_InFlight] = deque()  # planned, waiting for bytes or a thread
+        self._lock = threading.Lock()
+        self._held_bytes = 0  # of fetches started and not yet applied, failed, or returned
+        self.queued = 0  # loads that had to wait for their turn (a metric)
+
+    @property
+    def held_bytes(self) -> int:
+        with self._lock:
+            return self._held_bytes
 
     def start(self, load: RequestLoad) -> None:
         entry = _InFlight(load, self._clock() + self._timeout_s)
         self._in_flight[load.req_id] = entry
-        store = self._store
-        if store is None:
+        if self._store is None:
             entry.failure = LoadFailure("no_store", "the worker has no store connection")
             return
-        size = self._object_bytes()
-        try:
-            entry.future = self._calls.submit(
-                lambda: fetch(store, load.transfers, self._key_of, self._header_of, size), "load"
-            )
-        except StoreError as exc:
-            entry.failure = LoadFailure("busy", str(exc))
+        entry.size = len(load.transfers) * self._object_bytes()
+        self._queue.append(entry)
+        self._start_queued()
+        if entry.future is None and entry.failure is None:
+            self.queued += 1
+
+    def _start_queued(self) -> None:
+        store = self._store
+        while self._queue and store is not None:
+            entry = self._queue[0]
+            with self._lock:
+                fits = self._held_bytes == 0 or self._held_bytes + entry.size <= self._budget_bytes
+                if fits:
+                    self._held_bytes += entry.size
+            if not fits:
+                return
+            load, size = entry.load, self._object_bytes()
+            try:
+                entry.future = self._calls.submit(
+                    lambda: fetch(store, load.transfers, self._key_of, self._header_of, size), "load"
+                )
+            except StoreBusy:  # every thread is stuck on the store: wait for one, within the deadline
+                self._release(entry.size)
+                return
+            except StoreError as exc:
+                self._release(entry.size)
+                entry.failure = LoadFailure("store_error", str(exc))
+            self._queue.popleft()
+            entry.deadline = self._clock() + self._timeout_s
+
+    def _release(self, size: int) -> None:
+        with self._lock:
+            self._held_bytes -= size
+
+    def _drop(self, entry: _InFlight) -> None:
+        """Forget an ended load; its bytes are free once its fetch has returned."""
+        del self._in_flight[entry.load.req_id]
+        if entry in self._queue:
+            self._queue.remove(entry)
+        elif entry.future is not None:
+            size = entry.size
+            entry.future.add_done_callback(lambda _: self._release(size))  # runs now if it has returned
 
     def fail(self, load: RequestLoad, cause: str, detail: str) -> None:
         """Report ``load`` as failed at the next ``finish`` without trying it."""
@@ -127,10 +185,13 @@ class Loader:
         self._in_flight[load.req_id] = entry
 
     def finish(self) -> tuple[Finished, dict[str, int]]:
-        """Apply every fetch that answered; fail every one past its deadline. Returns what ended and counts."""
+        """Apply every fetch that answered; fail every one past its deadline; start waiting loads whose
+        turn came. Returns what ended and counts."""
         received: set[str] = set()
         failed: dict[str, tuple[int, LoadFailure]] = {}
         counts: dict[str, int] = {}
+        if self.queued:
+            counts["loads_queued"], self.queued = self.queued, 0
         now = self._clock()
         for req_id, entry in list(self._in_flight.items()):
             failure = entry.failure
@@ -143,16 +204,21 @@ class Loader:
                 if failure is None:
                     self._apply(entry.load, fetched, counts)
             elif failure is None and now > entry.deadline:
-                # The fetch may still be stuck in the client; its answer is dropped when it comes.
-                failure = LoadFailure("timeout", f"load did not answer within {self._timeout_s:.3g} s")
+                if entry.future is None:
+                    failure = LoadFailure(
+                        "no_turn", f"load could not start within {self._timeout_s:.3g} s (earlier loads hold the store)"
+                    )
+                else:  # the fetch may still be stuck in the client; its answer is dropped when it comes
+                    failure = LoadFailure("timeout", f"load did not answer within {self._timeout_s:.3g} s")
             elif failure is None:
                 continue
-            del self._in_flight[req_id]
+            self._drop(entry)
             received.add(req_id)
             if failure is not None:
                 first = min((t.token_start for t in entry.load.transfers), default=0)
                 failed[req_id] = (first, failure)
                 counts[f"load_failures_{failure.cause}"] = counts.get(f"load_failures_{failure.cause}", 0) + 1
+        self._start_queued()
         return Finished(frozenset(received), failed), counts
 
     def _apply(self, load: RequestLoad, fetched: Fetched, counts: dict[str, int]) -> None:

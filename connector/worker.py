@@ -62,6 +62,7 @@ class WorkerSide:
             object_bytes=lambda: HEADER_SIZE + max(self._group_bytes, default=0),
             write_block=self._write_block,
             timeout_s=config.load_timeout_s,
+            budget_bytes=config.load_buffer_bytes,
             calls=load_calls,
         )
         self._saver: Saver | None = None
@@ -168,7 +169,7 @@ class WorkerSide:
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         """Loads that ended since the last step: (received, of which failed). Copies the good ones in."""
-        finished, counts = self._loader.finish()
+        finished, counts = self._loader.finish()  # also starts loads whose turn came
         for name, amount in counts.items():
             self._count(name, amount)
         failed = finished.failed or {}

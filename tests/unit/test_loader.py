@@ -1,0 +1,154 @@
+"""Loads are bounded by bytes in flight, and a load that cannot start now waits its turn instead of
+failing: concurrent hits against a healthy store are all loaded. A hung store still costs only a
+bounded wait (queued loads fail when their turn does not come within the load time-out)."""
+
+from __future__ import annotations
+
+import threading
+
+from connector.calls import BoundedCalls
+from connector.data import BlockTransfer, RequestLoad
+from connector.keys import KeyKind
+from connector.loader import Loader
+from connector.objects import ObjectHeader
+
+OBJECT_BYTES = 1000
+
+
+class GatedStore:
+    """Answers every get once the gate opens (a slow but healthy store)."""
+
+    def __init__(self):
+        self.gate = threading.Event()
+        self.gets = 0
+
+    def get(self, keys, object_bytes=0):
+        self.gets += 1
+        self.gate.wait(30)
+        return [b"x" for _ in keys]
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def transfer(block_id: int) -> BlockTransfer:
+    return BlockTransfer(block_id, KeyKind.BLOCK, 0, 32, bytes(16))
+
+
+def load(req_id: str, objects: int = 1) -> RequestLoad:
+    return RequestLoad(req_id, tuple(transfer(i) for i in range(objects)))
+
+
+def loader(store, *, budget_bytes=10 * OBJECT_BYTES, threads=2, clock=None):
+    written = []
+    calls = BoundedCalls("test-load", limit=threads)
+    instance = Loader(
+        store,
+        key_of=lambda t: f"k{t.block_id}",
+        header_of=lambda t: None,  # unused: verification is patched out below
+        object_bytes=lambda: OBJECT_BYTES,
+        write_block=lambda t, payload: written.append(t.block_id),
+        timeout_s=10,
+        budget_bytes=budget_bytes,
+        calls=calls,
+        **({"clock": clock} if clock else {}),
+    )
+    return instance, calls, written
+
+
+def finish_all(instance, expected: set[str], rounds: int = 400):
+    """vLLM's steps: call finish until every expected load has ended."""
+    received, failed = set(), {}
+    for _ in range(rounds):
+        finished, _ = instance.finish()
+        received |= finished.received
+        failed.update(finished.failed or {})
+        if received >= expected:
+            return received, failed
+        threading.Event().wait(0.01)
+    raise AssertionError(f"loads did not end: {sorted(expected - received)}")
+
+
+def accept_any(monkeypatch):
+    monkeypatch.setattr("connector.loader.verify_object", lambda value, header: memoryview(value))
+
+
+def test_more_concurrent_hits_than_threads_all_load(monkeypatch):
+    accept_any(monkeypatch)
+    store = GatedStore()
+    instance, calls, _ = loader(store, threads=2)
+    try:
+        for name in ("a", "b", "c", "d", "e"):
+            instance.start(load(name))
+        finished, counts = instance.finish()
+        assert not finished.received, "nothing has answered yet, and nothing failed as busy"
+        assert counts.get("loads_queued") == 3
+        store.gate.set()
+        received, failed = finish_all(instance, {"a", "b", "c", "d", "e"})
+        assert failed == {}
+    finally:
+        store.gate.set()
+        calls.shutdown()
+
+
+def test_bytes_in_flight_stay_within_the_budget(monkeypatch):
+    accept_any(monkeypatch)
+    store = GatedStore()
+    instance, calls, _ = loader(store, budget_bytes=3 * OBJECT_BYTES, threads=4)
+    try:
+        instance.start(load("a", 2))
+        instance.start(load("b", 2))  # 4 objects would not fit: it waits although threads are free
+        assert instance.held_bytes == 2 * OBJECT_BYTES
+        store.gate.set()
+        received, failed = finish_all(instance, {"a", "b"})
+        assert failed == {}
+        assert instance.held_bytes == 0
+    finally:
+        store.gate.set()
+        calls.shutdown()
+
+
+def test_one_load_larger_than_the_budget_still_runs_alone(monkeypatch):
+    accept_any(monkeypatch)
+    store = GatedStore()
+    store.gate.set()
+    instance, calls, written = loader(store, budget_bytes=OBJECT_BYTES)
+    try:
+        instance.start(load("big", 5))
+        received, failed = finish_all(instance, {"big"})
+        assert failed == {} and len(written) == 5
+    finally:
+        calls.shutdown()
+
+
+def test_a_hung_store_fails_started_and_waiting_loads_after_the_time_out_and_holds_their_bytes(monkeypatch):
+    accept_any(monkeypatch)
+    store, clock = GatedStore(), Clock()
+    instance, calls, written = loader(store, threads=1, clock=clock)
+    try:
+        instance.start(load("stuck"))
+        instance.start(load("waiting"))
+        assert instance.finish()[0].received == frozenset()
+        clock.now += 11
+        finished, counts = instance.finish()
+        assert finished.received == {"stuck", "waiting"}
+        assert {name: failure.cause for name, (_, failure) in finished.failed.items()} == {
+            "stuck": "timeout",
+            "waiting": "no_turn",
+        }
+        assert instance.held_bytes == OBJECT_BYTES, "a fetch still stuck in the client keeps its bytes"
+        store.gate.set()
+        for _ in range(400):
+            if instance.held_bytes == 0:
+                break
+            threading.Event().wait(0.01)
+        assert instance.held_bytes == 0
+        assert written == [], "a late answer writes nothing"
+    finally:
+        store.gate.set()
+        calls.shutdown()
