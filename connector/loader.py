@@ -151,11 +151,8 @@ class Loader:
                     self._held_bytes += entry.size
             if not fits:
                 return
-            load, size = entry.load, self._object_bytes()
             try:
-                entry.future = self._calls.submit(
-                    lambda: fetch(store, load.transfers, self._key_of, self._header_of, size), "load"
-                )
+                entry.future = self._calls.submit(self._fetcher(store, entry.load), "load")
             except StoreBusy:  # every thread is stuck on the store: wait for one, within the deadline
                 self._release(entry.size)
                 return
@@ -164,6 +161,10 @@ class Loader:
                 entry.failure = LoadFailure("store_error", str(exc))
             self._queue.popleft()
             entry.deadline = self._clock() + self._timeout_s
+
+    def _fetcher(self, store: KVStore, load: RequestLoad) -> Callable[[], Fetched]:
+        size = self._object_bytes()
+        return lambda: fetch(store, load.transfers, self._key_of, self._header_of, size)
 
     def _release(self, size: int) -> None:
         with self._lock:

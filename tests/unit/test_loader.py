@@ -10,7 +10,6 @@ from connector.calls import BoundedCalls
 from connector.data import BlockTransfer, RequestLoad
 from connector.keys import KeyKind
 from connector.loader import Loader
-from connector.objects import ObjectHeader
 
 OBJECT_BYTES = 1000
 
@@ -25,7 +24,7 @@ class GatedStore:
     def get(self, keys, object_bytes=0):
         self.gets += 1
         self.gate.wait(30)
-        return [b"x" for _ in keys]
+        return [key.encode() for key in keys]
 
 
 class Clock:
@@ -40,8 +39,8 @@ def transfer(block_id: int) -> BlockTransfer:
     return BlockTransfer(block_id, KeyKind.BLOCK, 0, 32, bytes(16))
 
 
-def load(req_id: str, objects: int = 1) -> RequestLoad:
-    return RequestLoad(req_id, tuple(transfer(i) for i in range(objects)))
+def load(req_id: str, objects: int = 1, first_block: int = 0) -> RequestLoad:
+    return RequestLoad(req_id, tuple(transfer(first_block + i) for i in range(objects)))
 
 
 def loader(store, *, budget_bytes=10 * OBJECT_BYTES, threads=2, clock=None):
@@ -52,7 +51,7 @@ def loader(store, *, budget_bytes=10 * OBJECT_BYTES, threads=2, clock=None):
         key_of=lambda t: f"k{t.block_id}",
         header_of=lambda t: None,  # unused: verification is patched out below
         object_bytes=lambda: OBJECT_BYTES,
-        write_block=lambda t, payload: written.append(t.block_id),
+        write_block=lambda t, payload: written.append((t.block_id, bytes(payload))),
         timeout_s=10,
         budget_bytes=budget_bytes,
         calls=calls,
@@ -81,16 +80,20 @@ def accept_any(monkeypatch):
 def test_more_concurrent_hits_than_threads_all_load(monkeypatch):
     accept_any(monkeypatch)
     store = GatedStore()
-    instance, calls, _ = loader(store, threads=2)
+    instance, calls, written = loader(store, threads=2)
     try:
-        for name in ("a", "b", "c", "d", "e"):
-            instance.start(load(name))
+        for number, name in enumerate(("a", "b", "c", "d", "e")):
+            instance.start(load(name, 2, first_block=10 * number))
         finished, counts = instance.finish()
         assert not finished.received, "nothing has answered yet, and nothing failed as busy"
         assert counts.get("loads_queued") == 3
         store.gate.set()
         received, failed = finish_all(instance, {"a", "b", "c", "d", "e"})
         assert failed == {}
+        # Each load wrote its own objects into its own blocks (never another waiting load's).
+        assert sorted(written) == sorted(
+            (block, f"k{block}".encode()) for n in range(5) for block in (10 * n, 10 * n + 1)
+        )
     finally:
         store.gate.set()
         calls.shutdown()
