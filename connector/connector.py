@@ -24,7 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from .breaker import BreakerPolicy, CircuitBreaker, GuardedStore
 from .config import KVToolConfig, load_config
 from .data import KVToolMetadata, KVToolWorkerMeta
-from .layout import EngineLayout, UnsupportedLayout, engine_layout
+from .layout import EngineLayout, UnsupportedLayout, check_attention_layout, engine_layout
 from .metrics import KVToolStats
 from .scheduler import SchedulerSide
 from .store import StoreError, open_store
@@ -144,10 +144,12 @@ class KVToolConnector(KVConnectorBase_V1, SupportsHMA):
         if self.layout is None or self._store is None:
             return
         try:
+            check_attention_layout(self._vllm_config, self.layout)
             self._worker.register_kv_caches(
                 kv_caches, [list(names) for names in self.layout.layer_names], self._kv_cache_config.num_blocks
             )
-        except ValueError as exc:
+        except (ValueError, UnsupportedLayout) as exc:
+            # Loads planned by the scheduler side then fail (recompute); nothing is saved.
             logger.warning("kvtool: connector disabled, %s", exc)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:

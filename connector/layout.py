@@ -24,6 +24,50 @@ class EngineLayout:
     namespace: Namespace
     groups: tuple[CacheGroup, ...]
     layer_names: tuple[tuple[str, ...], ...]  # per group
+    # Per group: the attention kernel's block layout (attention_layout), None for a state group.
+    attention: tuple[str | None, ...] = ()
+
+
+def attention_layout(vllm_config: VllmConfig, spec: object) -> str:
+    """What decides how an attention block's interior is laid out in memory, beyond its shape: the
+    backend, and on the CPU the kernel's ISA, which vLLM picks per host (``amx`` prepacks bf16 blocks,
+    ``neon`` on ARM, ``vec``/``vec16`` otherwise). Two engines whose blocks have the same size and
+    checksum but another layout would read each other's K/V permuted: the namespace must tell them apart."""
+    from vllm.platforms import current_platform
+
+    if current_platform.device_type == "cpu":
+        try:
+            from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+            isa = _get_attn_isa(spec.dtype, spec.block_size, spec.head_size, vllm_config.cache_config.cache_dtype)
+        except Exception as exc:  # noqa: BLE001 - a private vLLM helper: never guess the layout
+            raise UnsupportedLayout(f"cannot tell the CPU attention kernel's block layout ({exc})") from None
+        return f"CPU_ATTN:{isa}"
+    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    if backend is None:
+        raise UnsupportedLayout(
+            f"the attention backend on {current_platform.device_type} is chosen at start-up; name it "
+            "(--attention-backend) so that the namespace carries its KV layout"
+        )
+    return str(getattr(backend, "name", backend))
+
+
+def check_attention_layout(vllm_config: VllmConfig, layout: EngineLayout) -> None:
+    """The worker's attention layers must use the layout the namespace names (the scheduler side
+    derives it from the configuration; the worker sees what vLLM really chose)."""
+    context = vllm_config.compilation_config.static_forward_context
+    for names, expected in zip(layout.layer_names, layout.attention, strict=True):
+        if expected is None:
+            continue
+        for name in names:
+            layer = context.get(name)
+            backend = getattr(layer, "attn_backend", None)
+            if backend is None:
+                raise UnsupportedLayout(f"layer {name} has no attention backend to check the KV layout against")
+            isa = getattr(layer, "isa", None)
+            actual = f"{backend.get_name()}:{isa}" if isa else backend.get_name()
+            if actual != expected:
+                raise UnsupportedLayout(f"layer {name} lays out KV as {actual}, not {expected} as the namespace says")
 
 
 def _group_kind(index: int, group: KVCacheGroupSpec) -> CacheGroup:
@@ -85,7 +129,15 @@ def engine_layout(
     if attention is None:
         raise UnsupportedLayout("a model without attention layers is not supported")
     spec = attention.kv_cache_spec
-    layout = f"{current_platform.device_type}:{type(spec).__name__}:{kv_cache_config.kv_cache_layout or 'default'}"
+    kernels = tuple(
+        attention_layout(vllm_config, g.kv_cache_spec) if isinstance(g.kv_cache_spec, AttentionSpec) else None
+        for g in specs
+    )
+    kernel_tags = ",".join(sorted({tag for tag in kernels if tag is not None}))
+    layout = (
+        f"{current_platform.device_type}:{type(spec).__name__}:{kv_cache_config.kv_cache_layout or 'default'}"
+        f":{kernel_tags}"
+    )
     namespace = Namespace(
         model=model_id or vllm_config.model_config.model,
         dtype=str(spec.dtype).removeprefix("torch."),
@@ -101,7 +153,7 @@ def engine_layout(
         model_identity=model_identity(vllm_config, weights_digest),
         cache_groups=_describe_specs(groups, specs),
     )
-    return EngineLayout(namespace, groups, tuple(tuple(group.layer_names) for group in specs))
+    return EngineLayout(namespace, groups, tuple(tuple(group.layer_names) for group in specs), kernels)
 
 
 def _describe_specs(groups: tuple[CacheGroup, ...], specs: list[KVCacheGroupSpec]) -> str:

@@ -163,3 +163,22 @@ def test_a_request_that_ends_while_its_load_still_fills_its_blocks_saves_nothing
     assert side.request_finished(req, ([10, 11, 12],))[0] is False
     assert side.build_connector_meta(step()).saves == []
     assert side.take_stats()["answer_saves_skipped_loading"] == 1
+
+
+def test_an_answer_save_never_names_tokens_still_in_flight():
+    """Speculative drafts and async-scheduled steps are counted in num_computed_tokens before they are
+    accepted (num_in_flight_tokens): the answer save names only the tokens whose KV is final."""
+    store = ScriptedStore()
+    side = engine(store)
+    req = decoded(PROMPT, ANSWER)
+    req.num_in_flight_tokens = 3
+    assert lookup(side, req) == (0, False)
+    allocate(side, req, 0)
+    side.build_connector_meta(step())
+    _, params = side.request_finished(req, ([10, 11, 12, 13],))
+    (save,) = side.build_connector_meta(step()).saves
+    final = len(PROMPT) + len(ANSWER) - 1 - 3
+    assert params["kvtool"]["answer_tokens"] == final
+    assert max(t.token_end for t in save.transfers) == final
+    keys = keys_of(PROMPT + ANSWER)
+    assert all(t.chain_hash == keys.chain_hash(t.token_end) for t in save.transfers)

@@ -540,3 +540,48 @@ def test_speculative_layouts_are_refused_on_hybrid_groups():
     groups = [SimpleNamespace(kv_cache_spec=s, layer_names=[f"l{i}"]) for i, s in enumerate([window, full])]
     with pytest.raises(UnsupportedLayout, match="below its window"):
         engine_layout(cfg, SimpleNamespace(kv_cache_groups=groups, kv_cache_layout=None), None, "")
+
+
+def _layout(cfg):
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from connector.layout import engine_layout
+
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    kv_cache_config = SimpleNamespace(
+        kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=["l0", "l1"])], kv_cache_layout=None
+    )
+    cfg.parallel_config = SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1)
+    return engine_layout(cfg, kv_cache_config, None, "")
+
+
+def test_the_attention_kernels_block_layout_moves_the_namespace(monkeypatch):
+    """A bf16 producer on an AMX host prepacks its blocks; a consumer on a host without AMX must not
+    share its keys (same sizes, same checksums, permuted K/V)."""
+    import vllm.v1.attention.backends.cpu_attn as cpu_attn
+
+    monkeypatch.setattr(cpu_attn, "_get_attn_isa", lambda *args: "amx")
+    amx = _layout(vllm_config())
+    monkeypatch.setattr(cpu_attn, "_get_attn_isa", lambda *args: "vec")
+    vec = _layout(vllm_config())
+    assert amx.attention == ("CPU_ATTN:amx",) and vec.attention == ("CPU_ATTN:vec",)
+    assert amx.namespace.key_component() != vec.namespace.key_component()
+    assert amx.namespace.fingerprint() != vec.namespace.fingerprint()
+
+
+def test_the_worker_refuses_layers_laid_out_otherwise_than_the_namespace_says(monkeypatch):
+    import vllm.v1.attention.backends.cpu_attn as cpu_attn
+
+    from connector.layout import UnsupportedLayout, check_attention_layout
+
+    monkeypatch.setattr(cpu_attn, "_get_attn_isa", lambda *args: "vec")
+    layout = _layout(vllm_config())
+
+    def engine(isa):
+        backend = SimpleNamespace(get_name=lambda: "CPU_ATTN")
+        layers = {name: SimpleNamespace(attn_backend=backend, isa=isa) for name in ("l0", "l1")}
+        return SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context=layers))
+
+    check_attention_layout(engine("vec"), layout)
+    with pytest.raises(UnsupportedLayout, match="amx"):
+        check_attention_layout(engine("amx"), layout)

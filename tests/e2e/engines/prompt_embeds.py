@@ -1,7 +1,7 @@
 """An offline engine (kv_both, the kvtool connector) fed mixed prompt-embedding prompts whose
 placeholder ids are -1; prints one JSON line per answer. Run by tests/e2e/test_inputs.py:
 
-    python -m tests.e2e.engines.prompt_embeds MODEL_DIR MASTER_HOST:PORT
+    python -m tests.e2e.engines.prompt_embeds MODEL_DIR MASTER_HOST:PORT ADMIN_URL
 """
 
 from __future__ import annotations
@@ -14,9 +14,11 @@ import uuid
 PLACEHOLDER = -1  # what a client may put at embedded positions; vLLM zeroes it
 
 
-def main(model_dir: str, master: str) -> None:
+def main(model_dir: str, master: str, admin: str) -> None:
     import torch
     from vllm import LLM, SamplingParams
+
+    from kvtool.admin import wait_for_key
 
     llm = LLM(
         model=model_dir, dtype="float32", block_size=32, max_model_len=512, gpu_memory_utilization=0.3,
@@ -48,12 +50,15 @@ def main(model_dir: str, master: str) -> None:
         (output,) = llm.generate([prompt], params, use_tqdm=False)
         completion = output.outputs[0]
         logprobs = [{str(k): v.logprob for k, v in step.items()} for step in completion.logprobs or []]
+        details = (output.kv_transfer_params or {}).get("kvtool") or {}
         print("RESULT " + json.dumps({
-            "run": name, "token_ids": list(completion.token_ids), "logprobs": logprobs,
-            "kvtool": (output.kv_transfer_params or {}).get("kvtool"),
+            "run": name, "token_ids": list(completion.token_ids), "logprobs": logprobs, "kvtool": details,
         }), flush=True)  # fmt: skip
+        if name == "first" and details.get("watermark_key"):
+            # The next run must find the save in the store: wait until every put of it was tried.
+            wait_for_key(admin, details["watermark_key"], 60.0)
 
 
 if __name__ == "__main__":
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], sys.argv[3])
