@@ -25,6 +25,7 @@ from .breaker import BreakerPolicy, CircuitBreaker, GuardedStore
 from .config import KVToolConfig, load_config
 from .data import KVToolMetadata, KVToolWorkerMeta
 from .layout import EngineLayout, UnsupportedLayout, check_attention_layout, engine_layout
+from .hooktime import HookClock, on_engine_thread
 from .metrics import KVToolStats
 from .scheduler import SchedulerSide
 from .store import StoreError, open_store
@@ -48,6 +49,7 @@ _ROLES = ("kv_producer", "kv_consumer", "kv_both")
 class KVToolConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self._hook_clock = HookClock()
         transfer = self._kv_transfer_config
         if transfer.kv_role not in _ROLES:
             raise ValueError(f"kvtool connector: kv_role {transfer.kv_role!r} is not one of {', '.join(_ROLES)}")
@@ -108,22 +110,27 @@ class KVToolConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ---- scheduler side ---------------------------------------------------------------------------
 
+    @on_engine_thread
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
+    @on_engine_thread
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
         assert self._scheduler is not None
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
+    @on_engine_thread
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
         return self._scheduler.build_connector_meta(scheduler_output)
 
+    @on_engine_thread
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, (list(block_ids),))
 
+    @on_engine_thread
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
@@ -152,6 +159,15 @@ class KVToolConnector(KVConnectorBase_V1, SupportsHMA):
             # Loads planned by the scheduler side then fail (recompute); nothing is saved.
             logger.warning("kvtool: connector disabled, %s", exc)
 
+    @on_engine_thread
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        # The one worker hook between vLLM's copy-on-write copies and the forward (see
+        # WorkerSide.repair_block_copies); start_load_kv may come after the forward.
+        if self._worker is not None and isinstance(connector_metadata, KVToolMetadata):
+            self._worker.repair_block_copies(connector_metadata.block_copies)
+
+    @on_engine_thread
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self._worker is not None
         meta = self._connector_metadata
@@ -166,6 +182,7 @@ class KVToolConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> None:
         return
 
+    @on_engine_thread
     def wait_for_save(self):
         assert self._worker is not None
         meta = self._connector_metadata
@@ -176,6 +193,7 @@ class KVToolConnector(KVConnectorBase_V1, SupportsHMA):
         results = self.get_transfer_results(finished_req_ids)
         return results.finished_sending or None, results.finished_recving or None
 
+    @on_engine_thread
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """Loads that ended this step (failed ones are failed receives, which vLLM recomputes whole),
         and finished requests whose answer save copied their blocks (vLLM frees them)."""
@@ -186,22 +204,25 @@ class KVToolConnector(KVConnectorBase_V1, SupportsHMA):
             finished_sending=self._worker.take_sent(), finished_recving=received, failed_recving=failed
         )
 
+    @on_engine_thread
     def build_connector_worker_meta(self) -> KVToolWorkerMeta | None:
         return self._worker.take_load_failures() if self._worker is not None else None
 
+    @on_engine_thread
     def update_connector_output(self, connector_output: KVConnectorOutput):
         if self._scheduler is not None:
             self._scheduler.record_load_failures(connector_output.kv_connector_worker_meta)
             self._scheduler.record_transfers(connector_output.finished_recving, connector_output.finished_sending)
 
+    @on_engine_thread
     def has_pending_block_frees(self) -> bool:
         return self._scheduler is not None and self._scheduler.has_pending_block_frees()
 
     def get_kv_connector_stats(self) -> KVToolStats | None:
         side = self._worker if self._worker is not None else self._scheduler
-        if side is None:
-            return None
-        taken = side.take_stats()
+        taken = side.take_stats() if side is not None else {}
+        for name, value in self._hook_clock.take().items():
+            taken[name] = taken.get(name, 0) + value
         return KVToolStats(data=taken) if taken else None
 
     @classmethod

@@ -81,6 +81,9 @@ def prompt_watermark_id(req_id: str, turn: int = 0) -> str:
 class KVToolMetadata(KVConnectorMetadata):
     loads: list[RequestLoad] = field(default_factory=list)
     saves: list[RequestSave] = field(default_factory=list)
+    # vLLM's copy-on-write block copies of this step, (source, destination): the worker redoes them
+    # whole before the forward (``WorkerSide.repair_block_copies``).
+    block_copies: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass

@@ -114,10 +114,11 @@ def engine_layout(
         if mode != "align":
             # Only align mode keeps a state per block boundary, in the block of its last token.
             raise UnsupportedLayout(f"Mamba cache mode {mode!r} (kvtool needs --mamba-cache-mode align)")
-        unit = getattr(cache, "prefix_match_unit", None)
-        if unit is not None and unit < min(group.block_size for group in groups):
-            # Sub-block matching moves the state after a prompt out of the block it is read from.
-            raise UnsupportedLayout(f"--prefix-match-unit {unit} below the block size on a Mamba model")
+        # Sub-block matching (--prefix-match-unit below the block size) is supported: a producer's
+        # prefill then stops at the prompt's last checkpoint (L - 1 with a unit of 1) and vLLM offers
+        # that state's exact block (boundary_state_offloads) in the step that completes the prompt; the
+        # state after the whole prompt stays in the block of its last token. Its sub-block local hits
+        # need the worker's repair of vLLM's copy-on-write copies (WorkerSide.repair_block_copies).
     block_sizes = {group.block_size for group in groups}
     if len(block_sizes) != 1:
         raise UnsupportedLayout(f"KV cache groups of different block sizes ({sorted(block_sizes)})")

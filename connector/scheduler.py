@@ -78,11 +78,10 @@ class SchedulerSide:
         self._store = store
         self._loads_enabled = loads_enabled and store is not None
         self._saves_enabled = saves_enabled and store is not None
-        # Answers need a state group's state after the last decoded token, which vLLM's align mode
-        # does not name: a model with a state group saves no answers (its prompts still are saved).
-        self._answers_enabled = (
-            answers_enabled and store is not None and all(g.kind is not GroupKind.STATE for g in self._groups)
-        )
+        # On a Mamba model the answer's state is the running state, in the block of its last computed
+        # token when the request ends (align mode): saved with the answer's attention objects.
+        self._answers_enabled = answers_enabled and store is not None
+        self._has_state_group = any(g.kind is GroupKind.STATE for g in self._groups)
         self._pending_saves: list[RequestSave] = []  # answer saves, sent with the next step's metadata
         self._holding: set[str] = set()  # finished requests whose blocks an answer save holds
         self._space = KeySpace(self._block_size, config.hash_unit, self._namespace, self._groups, self._grid)
@@ -213,6 +212,12 @@ class SchedulerSide:
             self._lookups.flush()  # this step's lookups, as one batch in the background
         meta = KVToolMetadata(loads=self._pending_loads, saves=self._pending_saves)
         self._pending_loads, self._pending_saves = [], []
+        # vLLM 0.32 copies a sub-block prefix hit's shared tail block (copy-on-write) only partly on a
+        # hybrid model (connector.worker.WorkerSide.repair_block_copies): have the worker redo them.
+        meta.block_copies = tuple(
+            (copy.src_block_id, copy.dst_block_id)
+            for copy in getattr(scheduler_output, "kv_cache_block_copies", None) or ()
+        )
         if not self._saves_enabled:
             return meta
         # vLLM's current block tables (never an append-only mirror: a sliding window or a Mamba group
@@ -342,7 +347,13 @@ class SchedulerSide:
             # Finished while its load (after a preemption) still fills its blocks: they hold nothing yet.
             self.stats["answer_saves_skipped_loading"] += 1
             return None
-        computed = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
+        in_flight = getattr(request, "num_in_flight_tokens", 0)
+        if in_flight and self._has_state_group:
+            # A step still in flight has moved the running state past the last final token: no state
+            # for the answer's end, and without it no hit can use the answer's other objects.
+            self.stats["answer_saves_skipped_in_flight"] += 1
+            return None
+        computed = request.num_computed_tokens - in_flight
         done = len(tracked.keys.tokens) if tracked.save_scheduled else 0
         if computed <= max(done, 1):
             return None

@@ -157,6 +157,35 @@ class WorkerSide:
 
     # -- loads --------------------------------------------------------------------------------------
 
+    def repair_block_copies(self, copies: tuple[tuple[int, int], ...]) -> None:
+        """Redo vLLM's copy-on-write block copies of this step, whole, before the forward reads them.
+
+        vLLM 0.32's ``copy_kv_cache_blocks_inplace`` (vllm/v1/worker/utils.py) skips a cache view whose
+        ``data_ptr`` it has seen. Under the hybrid allocator a Mamba layer and an attention layer share
+        one buffer and their views start at the same address; when the Mamba view comes first (layer 0
+        Mamba, layer 1 attention) only its page (19,840 B on the mamba preset) of each block is copied,
+        and an attention block's copy misses most of its values (32,768 B). A sub-block prefix hit
+        (``--prefix-match-unit`` below the block size) copies its tail blocks this way: its forward then
+        attends wrong values. Called from ``bind_connector_metadata``: after ``_update_states`` (the
+        zeroing of new blocks and vLLM's copy) and before the forward. Not from ``start_load_kv``, which
+        vLLM calls after the forward in a step without synchronous loads (kv_connector_model_runner_mixin
+        ``_get_kv_connector_output``): a copy then would take the forward's output (a producer's
+        state after L instead of L - 1). Copying every distinct view again makes the copy whole (bytes
+        already copied are copied identically)."""
+        if not copies or not self._groups:
+            return
+        src = torch.tensor([pair[0] for pair in copies], dtype=torch.long)
+        dst = torch.tensor([pair[1] for pair in copies], dtype=torch.long)
+        widest: dict[int, torch.Tensor] = {}  # start address -> the view spanning the most bytes a block
+        for tensors in self._groups:
+            for tensor in tensors:
+                known = widest.get(tensor.data_ptr())
+                if known is None or tensor[0].nbytes > known[0].nbytes:
+                    widest[tensor.data_ptr()] = tensor
+        for tensor in widest.values():
+            tensor[dst] = tensor[src]  # gathers every source before writing (vLLM's semantics)
+        self._count("block_copies_repaired", len(copies))
+
     def start_load_kv(self, meta: KVToolMetadata) -> None:
         """Start this step's loads in the background (a worker without a store fails them at once)."""
         for load in meta.loads:

@@ -67,15 +67,17 @@ class ModelPreset:
         retains: ``--prefix-cache-retention-interval <block>`` retains one at every block boundary, so a
         prompt sharing only the first blocks of a stored one still hits.
 
-        Not given: ``--prefix-match-unit 1``, with which a producer's prefill ends a step one token short
-        of the prompt and vLLM offers that state too (what the same prompt sent on unchanged needs). It
-        moves the state after the whole prompt out of the block that holds it otherwise, and the exact
-        block vLLM then offers for it comes a step later or at the request's end: not handled yet."""
-        del saves  # the same flags for every engine until the state one token short is handled
+        An engine that saves also gets ``--prefix-match-unit 1``: its prefill then ends a step one token
+        short of the prompt, and vLLM offers that state (a copy-on-write copy of the block, in the step
+        that completes the prompt), which the same prompt sent on unchanged needs (a hit of ``L - 1``).
+        The state after the whole prompt stays in the block of its last token. The sub-block local hits
+        this also turns on are copied only partly by vLLM 0.32 on a hybrid model; the connector's worker
+        completes those copies (connector.worker.WorkerSide.repair_block_copies)."""
         if not self.is_hybrid:
             return self.engine_args
         every_block = str(self.kv_block_size_for(requested_block_size))
-        return self.engine_args + ("--prefix-cache-retention-interval", every_block)
+        flags = self.engine_args + ("--prefix-cache-retention-interval", every_block)
+        return flags + ("--prefix-match-unit", "1") if saves else flags
 
     @property
     def config_overrides(self) -> dict[str, Any]:

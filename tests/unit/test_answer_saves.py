@@ -103,12 +103,29 @@ def test_nothing_to_save_holds_no_block():
     assert offline.request_finished(req, ([10, 11, 12, 13],))[0] is False
 
 
-def test_a_model_with_a_state_group_saves_no_answers():
+def test_a_mamba_answer_saves_the_running_state_from_the_block_of_its_last_computed_token():
+    """The state after prompt + answer (less the last generated token) is the running state, which
+    align mode keeps in the block of its last computed token (earlier ones are the null block)."""
     groups = (CacheGroup(0, GroupKind.STATE, 32), CacheGroup(1, GroupKind.FULL, 32))
     side = engine(ScriptedStore(), groups=groups)
     req = decoded(PROMPT, ANSWER)
     side.get_num_new_matched_tokens(req, 0)
-    assert side.request_finished(req, ([1, 2, 3, 4], [10, 11, 12, 13]))[0] is False
+    assert side.request_finished(req, ([0, 0, 0, 4], [10, 11, 12, 13]))[0] is True
+    (save,) = side.build_connector_meta(step()).saves
+    computed = len(PROMPT) + len(ANSWER) - 1
+    states = [(t.block_id, t.token_end) for t in save.transfers if t.group == 0]
+    assert states == [(4, computed)]
+    assert all(t.chain_hash == keys_of(PROMPT + ANSWER).chain_hash(t.token_end) for t in save.transfers)
+
+
+def test_a_mamba_answer_with_a_step_in_flight_saves_nothing():
+    groups = (CacheGroup(0, GroupKind.STATE, 32), CacheGroup(1, GroupKind.FULL, 32))
+    side = engine(ScriptedStore(), groups=groups)
+    req = decoded(PROMPT, ANSWER)
+    req.num_in_flight_tokens = 1  # async scheduling: the running state is a step ahead
+    side.get_num_new_matched_tokens(req, 0)
+    assert side.request_finished(req, ([0, 0, 0, 4], [10, 11, 12, 13]))[0] is False
+    assert side.stats["answer_saves_skipped_in_flight"] == 1
 
 
 def test_a_sliding_window_answer_skips_the_blocks_its_window_left():

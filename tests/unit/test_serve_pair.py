@@ -511,7 +511,8 @@ def test_a_mamba_preset_pair_gets_its_engine_flags_and_the_engines_block_size(tm
         )
         assert flag_value(argv, "--prefix-cache-retention-interval") == "64"  # a state at every block boundary
         assert flag_value(argv, "--block-size") == "32"  # vLLM raises it to 64 itself
-    assert "--prefix-match-unit" not in producer + consumer  # see ModelPreset.engine_args_for
+    # The producer's prefill stops one token short of the prompt (see ModelPreset.engine_args_for).
+    assert flag_value(producer, "--prefix-match-unit") == "1" and "--prefix-match-unit" not in consumer
     in_tree = cfg.model_copy(update={"connector": "vllm-mooncake-store"})
     assert flag_value(engine_argv(in_tree, "consumer"), "--prefix-match-unit") == "1"  # its own sub-block hits
     assert ready_info(cfg, {}, None)["block_size"] == 64
@@ -526,3 +527,14 @@ def test_plain_presets_add_no_engine_flags(tmp_path, monkeypatch):
         argv = engine_argv(cfg, "producer")
         assert "--prefix-match-unit" not in argv and "--mamba-cache-mode" not in argv
         assert ready_info(cfg, {}, None)["block_size"] == 32
+
+
+def test_max_num_batched_tokens_sets_the_engines_prefill_chunk(tmp_path, monkeypatch):
+    from kvtool.commands.options import PairOptions
+
+    monkeypatch.setattr("kvtool.model.ensure_default_model", lambda preset: tmp_path / preset)
+    cfg = PairOptions(model_preset="swa", log_dir=tmp_path, max_num_batched_tokens=64).config(report=lambda _: None)
+    for role in ("producer", "consumer"):
+        assert flag_value(engine_argv(cfg, role), "--max-num-batched-tokens") == "64"
+    with pytest.raises(UserError, match="mamba preset"):
+        PairOptions(model_preset="mamba", log_dir=tmp_path, max_num_batched_tokens=128).config(report=lambda _: None)

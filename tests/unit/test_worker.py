@@ -174,3 +174,22 @@ def test_kv_caches_off_the_cpu_are_refused_at_registration():
     caches = {name: torch.empty(NUM_BLOCKS, 2, BLOCK, 128, device="meta") for name in LAYERS}
     with pytest.raises(ValueError, match="CPU only"):
         WorkerSide(NS, ScriptedStore(), CONFIG, saves_enabled=True).register_kv_caches(caches, [LAYERS], NUM_BLOCKS)
+
+
+def test_copy_on_write_copies_are_made_whole_across_views_that_share_memory():
+    """vLLM 0.32 copies a block once per cache start address: a Mamba view (a smaller page) and an
+    attention view of one hybrid buffer start at the same one, and only the Mamba page was copied."""
+    slots, slot_bytes, mamba_bytes = NUM_BLOCKS, 4 * 2 * BLOCK * 128, 4 * 1000
+    buffer = torch.zeros(slots * slot_bytes, dtype=torch.int8)
+    mamba = buffer.view(slots, slot_bytes)[:, :mamba_bytes].view(slots, 1, 1, mamba_bytes)
+    attention = buffer.view(torch.float32).view(slots, 2, BLOCK, 128)
+    assert mamba.data_ptr() == attention.data_ptr()
+    side = WorkerSide(NS, ScriptedStore(), CONFIG, saves_enabled=False, load_calls=InlineCalls())
+    side.register_kv_caches({"mixer": mamba, "attn": attention}, [["mixer"], ["attn"]], NUM_BLOCKS)
+    attention[2] = torch.randn(2, BLOCK, 128)
+    attention[5] = torch.randn(2, BLOCK, 128)
+    block_2, block_5 = attention[2].clone(), attention[5].clone()
+    mamba[6] = mamba[2]  # what vLLM's copy did for (2 -> 6): the Mamba page only
+    assert not torch.equal(attention[6], block_2)
+    side.repair_block_copies(((2, 6), (5, 2)))  # every source is read before any block is written
+    assert torch.equal(attention[6], block_2) and torch.equal(attention[2], block_5)
