@@ -63,6 +63,8 @@ class ServePairConfig(BaseModel):
     kv_cache_gib: float = 1.0  # VLLM_CPU_KVCACHE_SPACE per engine
     memory_utilization: float = 0.3  # --gpu-memory-utilization per engine; two start side by side
     enforce_eager: bool = False
+    # vLLM's prefill chunk (--max-num-batched-tokens); None: the preset's, else vLLM's default.
+    max_num_batched_tokens: int | None = Field(default=None, gt=0)
     segment_bytes: int = 256 * MiB  # what each engine lends the store (embedded)
     local_buffer_bytes: int = 64 * MiB
     store_segment_bytes: int = 1 * GiB  # what the standalone store holds
@@ -259,6 +261,8 @@ def engine_argv(cfg: ServePairConfig, role: Role, python: str = sys.executable) 
     transfer = kv_transfer_config(cfg, role)
     saves = transfer is not None and kv_role_for(cfg, role) != "kv_consumer"
     argv += cfg.saving_engine_args if saves and cfg.saving_engine_args else cfg.engine_args
+    if cfg.max_num_batched_tokens is not None:
+        argv += ["--max-num-batched-tokens", str(cfg.max_num_batched_tokens)]  # the last one given wins
     if cfg.state_model:
         argv += cfg.profile.state_model_args
     if transfer is not None:

@@ -186,6 +186,13 @@ class PairOptions:
     ] = 0.3
     dtype: Annotated[str, _pair("vLLM --dtype (float32 keeps logprob comparisons exact)")] = "float32"
     enforce_eager: Annotated[bool, _pair("pass --enforce-eager to vLLM (no compilation)")] = False
+    max_num_batched_tokens: Annotated[
+        int | None,
+        _pair(
+            "vLLM --max-num-batched-tokens per engine: a prompt longer than it is prefilled in chunks "
+            "\\[default: the model preset's, else vLLM's]"
+        ),
+    ] = None
     startup_timeout: Annotated[float, _pair("seconds to wait for both servers to be healthy")] = 300.0
     fault_control_file: Annotated[
         Path | None,
@@ -201,6 +208,8 @@ class PairOptions:
         from kvtool.connectors import CONNECTOR_NAMES
         from kvtool.model import PRESETS
 
+        if self.max_num_batched_tokens is not None and self.model is None and self.preset == "mamba":
+            raise UserError("--max-num-batched-tokens: the mamba preset prefills in chunks of its Mamba block (64)")
         if self.model_size is not None and self.model_preset not in ("tiny", self.model_size):
             raise UserError("--model-size is the old name of --model-preset; give one of them")
         choices = {
@@ -255,6 +264,7 @@ class PairOptions:
                 memory_utilization=self.memory_utilization,
                 dtype=self.dtype,
                 enforce_eager=self.enforce_eager,
+                max_num_batched_tokens=self.max_num_batched_tokens,
                 startup_timeout_s=self.startup_timeout,
                 fault_control_file=self.fault_control_file.resolve() if self.fault_control_file else None,
                 engine_args=engine_args,

@@ -128,6 +128,22 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         yield info
 
 
+@pytest.fixture(scope="session", params=["swa", "mamba"])
+def hybrid(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """One pair per hybrid preset for the whole session (pytest runs every test of one before the
+    other's): both engines kv_both, saving their answers (--roles both), with a pointer at every token
+    (--divergence-grid 1). ``swa`` (sliding window 64 + full attention) prefills in chunks of 64 tokens,
+    so a long prompt's first blocks leave the window before its last chunk; ``mamba`` (Mamba2 +
+    attention) runs the preset's flags (chunks of one Mamba block, L - 1 states on saving engines)."""
+    extra: tuple[str, ...] = ("--divergence-grid", "1")
+    if request.param == "swa":
+        extra += ("--max-num-batched-tokens", "64")
+    workdir = tmp_path_factory.mktemp(f"hybrid-{request.param}")
+    with running_pair(workdir, request.param, roles="both", extra_args=extra) as info:
+        info["preset"] = request.param
+        yield info
+
+
 @pytest.fixture
 def pair_master(pair: dict[str, Any]) -> PairMaster:
     """The master serve-pair runs and supervises: its admin URL, and its current pid from the ready file."""

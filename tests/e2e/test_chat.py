@@ -1,7 +1,7 @@
-"""On a `--roles both` pair with a token-exact divergence grid (the tiny model, and the sliding-window
-hybrid): a disaggregated chat reuses every previous prompt and the decoding engine's real answer, to
-the token; a prompt that leaves a stored one inside a block or a tail hits exactly their common
-prefix; every answer is a recomputation's."""
+"""On a `--roles both` pair with a token-exact divergence grid (the tiny model, and the session's hybrid
+pairs: sliding window and Mamba): a disaggregated chat reuses every previous prompt and the decoding
+engine's real answer, to the token; a prompt that leaves a stored one inside a block or a tail hits
+exactly their common prefix; every answer is a recomputation's."""
 
 from __future__ import annotations
 
@@ -19,18 +19,28 @@ pytestmark = pytest.mark.e2e
 ANSWER = 20  # generated tokens a turn: the answer ends inside a block, past the prompt's last one
 
 
-@pytest.fixture(scope="module", params=["tiny", "swa"])
-def both_pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
-    """A pair whose engines are both kv_both and save their answers (serve-pair --roles both), with a
-    pointer at every token inside stored objects (--divergence-grid 1): on the tiny model, and on the
-    sliding-window hybrid (each of its two cache groups saves, points and loads on its own)."""
-    workdir = tmp_path_factory.mktemp(f"both-pair-{request.param}")
-    with running_pair(workdir, request.param, roles="both", extra_args=("--divergence-grid", "1")) as info:
-        info["preset"] = request.param
+@pytest.fixture(scope="module")
+def both_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    """A tiny-model pair whose engines are both kv_both and save their answers (serve-pair --roles
+    both), with a pointer at every token inside stored objects (--divergence-grid 1). The hybrid
+    presets' pairs (conftest ``hybrid``) are started that way too."""
+    workdir = tmp_path_factory.mktemp("both-pair-tiny")
+    with running_pair(workdir, "tiny", roles="both", extra_args=("--divergence-grid", "1")) as info:
+        info["preset"] = "tiny"
         yield info
 
 
 def test_a_three_turn_chat_reuses_every_previous_prompt_and_answer_to_the_token(both_pair):
+    three_turn_chat(both_pair)
+
+
+def test_a_three_turn_chat_on_hybrid_models(hybrid):
+    """Every group's answer is saved: the sliding window's blocks, and on Mamba the running state
+    after prompt + answer (less the last generated token)."""
+    three_turn_chat(hybrid)
+
+
+def three_turn_chat(both_pair: dict) -> None:
     turn = prompt(40, 50)
     computed = 0  # tokens whose KV some engine computed before: the ideal reuse of the next turn
     for number in range(3):
@@ -56,6 +66,21 @@ def test_a_three_turn_chat_reuses_every_previous_prompt_and_answer_to_the_token(
     ids=["inside-a-block", "inside-a-tail", "inside-a-sub-block-prompt"],
 )
 def test_a_prompt_leaving_a_stored_one_inside_an_object_hits_exactly_the_common_prefix(both_pair, common, length):
+    leave_inside_an_object(both_pair, common, length)
+
+
+@pytest.mark.parametrize(
+    "common, length",
+    [(50, 70), (75, 90), (12, 30)],
+    ids=["inside-a-block", "inside-a-tail", "inside-a-sub-block-prompt"],
+)
+def test_divergence_points_on_the_sliding_window_hybrid(hybrid, common, length):
+    if hybrid["preset"] != "swa":
+        pytest.skip("a Mamba model stores states at block boundaries and L - 1 only (test_hybrid covers it)")
+    leave_inside_an_object(hybrid, common, length)
+
+
+def leave_inside_an_object(both_pair: dict, common: int, length: int) -> None:
     warm_pointer_reads(both_pair)
     stored = prompt(60 + common, 85 if common > 20 else 20)  # 85: blocks ending at 32, 64 and a tail at 85
     produce(both_pair, stored)

@@ -1,17 +1,14 @@
 """Hybrid models on a real pair: every cache group saved and loaded to the exact boundary.
 
-One pair per preset (``swa``: Gemma3-style sliding window + full attention; ``mamba``:
-GraniteMoeHybrid-style Mamba2 + attention), started once for this module. Every consumer answer is
-compared with a recomputation under a fresh ``cache_salt`` (on hybrid models an engine's own local
-reuse of a sub-block Mamba state is not exact, so it is never the reference), top-5 logprobs within
-1e-3.
+One pair per preset (conftest ``hybrid``: ``swa``, Gemma3-style sliding window + full attention,
+prefilling in chunks of 64 tokens; ``mamba``, GraniteMoeHybrid-style Mamba2 + attention), both engines
+kv_both. Every answer is compared with a recomputation under a fresh ``cache_salt`` (an engine's own
+local reuse is never the reference), top-5 logprobs within 1e-3.
 """
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
-
 import pytest
 
 from connector.hashing import RequestIdentity
@@ -20,7 +17,7 @@ from connector.prefix import PromptKeys
 from kvtool.client import complete
 from kvtool.verify import compare_answers
 
-from .conftest import running_pair
+from . import pairtools
 from .pairtools import (
     GENERATE,
     TOLERANCE,
@@ -31,17 +28,11 @@ from .pairtools import (
     prompt,
     remove,
     store_client,
+    wait_save_ended,
     warm_pointer_reads,
 )
 
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture(scope="module", params=["swa", "mamba"])
-def hybrid(request, tmp_path_factory) -> Iterator[dict]:
-    with running_pair(tmp_path_factory.mktemp(f"pair-{request.param}"), request.param) as info:
-        info["preset"] = request.param
-        yield info
 
 
 def consume(pair: dict, tokens: list[int]) -> HitDetails:
@@ -106,24 +97,26 @@ def test_the_same_prompt_unchanged_at_the_consumer(hybrid):
     """The disaggregated continuation: the consumer must compute the prompt's last token itself.
 
     Attention groups reuse ``L - 1`` tokens from the objects at ``L``. A Mamba group needs the state
-    after exactly ``L - 1`` tokens, which the producer's prefill does not stop at: the hit falls back to
-    the last block boundary, whose state vLLM retains and the producer saved in the step that
-    computed it (the ``L - 1`` state is open work; see ModelPreset.engine_args_for).
+    after exactly ``L - 1`` tokens: the mamba producer runs with ``--prefix-match-unit 1``, so its
+    prefill stops there and vLLM offers that state's block, which it saves (ModelPreset.engine_args_for).
     """
     base = prompt(3011, hybrid["block_size"] + 30)
     produce(hybrid, base)
-    expected = len(base) - 1 if hybrid["preset"] == "swa" else hybrid["block_size"]
-    assert consume(hybrid, base).external_hit_tokens == expected
+    assert consume(hybrid, base).external_hit_tokens == len(base) - 1
 
 
 def test_a_prompt_diverging_after_a_stored_block_reuses_that_block(hybrid):
     """Every group holds the first block's data at its boundary: the sliding window's blocks, and the
     Mamba state saved in the step that computed the first block."""
+    if hybrid["preset"] == "swa":
+        warm_pointer_reads(hybrid)
     block = hybrid["block_size"]
     base = prompt(3016, 2 * block + 10)
     produce(hybrid, base)
     details = consume(hybrid, base[: block + 5] + prompt(3017, 20))
-    assert details.external_hit_tokens == block, details
+    # On swa the pair's token-exact pointers find the divergence point itself; a Mamba model has no
+    # state there, so it hits the boundary.
+    assert details.external_hit_tokens == (block + 5 if hybrid["preset"] == "swa" else block), details
 
 
 def test_a_prompt_diverging_inside_a_stored_block_hits_where_every_group_can(hybrid):
@@ -159,6 +152,43 @@ def test_a_missing_object_of_one_group_drops_the_hit_consistently(hybrid):
     assert stored, f"no {kind.name.lower()} object of the prompt in any group"
     remove(hybrid, stored[-1])  # one group's object only
     details = consume(hybrid, base + prompt(3015, 5))
-    # Without the state at the prompt's end (mamba) or one group's tail (swa), the hit falls back to the
-    # block boundary every group holds: the full block, and on mamba the state saved at that boundary.
-    assert details.external_hit_tokens == hybrid["block_size"], details
+    # Without one group's tail (swa) the hit falls back to the block boundary every group holds. Without
+    # the state at the prompt's end (mamba) it falls back to the producer's state one token short of it
+    # (its prefill stops there), which the tail at the prompt's end covers in the attention group.
+    expected = hybrid["block_size"] if hybrid["preset"] == "swa" else len(base) - 1
+    assert details.external_hit_tokens == expected, details
+
+
+def test_a_prompt_prefilled_in_chunks_is_reused_whole(hybrid):
+    """160 tokens: on swa three chunks of 64, and by the last one the window (64) has left the first
+    two blocks, which vLLM freed; what the last step still holds is what a hit on the whole prompt
+    needs. On mamba, chunks of one Mamba block with a state saved at each boundary."""
+    base = prompt(3030, 160)
+    produce(hybrid, base)
+    assert consume(hybrid, base + prompt(3031, 9)).external_hit_tokens == 160
+
+
+def test_a_prefix_of_a_chunked_prompt_hits_only_where_every_group_was_saved(hybrid):
+    """A prompt that shares the first 70 tokens of a chunked 160-token one: on swa the sliding-window
+    blocks under them were freed before the prompt was complete and never saved, so it is a miss (never
+    a load of blocks another request may own); on mamba the state at the block boundary 64 was saved in
+    the step that computed it. Either way the answer is a recomputation's."""
+    base = prompt(3032, 160)
+    produce(hybrid, base)
+    details = consume(hybrid, base[:70] + prompt(3033, 12))
+    assert details.external_hit_tokens == (0 if hybrid["preset"] == "swa" else 64), details
+
+
+def test_a_kv_both_engine_whose_load_fails_publishes_only_what_it_recomputed(hybrid):
+    """Both engines are kv_both: the consumer's load fails (a flipped byte in every group), it
+    recomputes and saves the prompt; the producer then loads what the consumer published, and answers
+    as a recomputation does."""
+    base = prompt(3040, hybrid["block_size"] + 12)
+    produce(hybrid, base)
+    extended = base + prompt(3041, 20)
+    with faults(hybrid, corrupt_get="flip"):
+        failed = consume(hybrid, extended)
+    assert failed.external_hit_tokens == 0 and failed.load_failure == "checksum", failed
+    wait_save_ended(hybrid, failed)
+    details, _ = pairtools.consume(hybrid, extended + prompt(3042, 6), engine="producer")
+    assert details.reused_tokens == len(extended), details

@@ -1,6 +1,7 @@
 """serve-pair supervises its Mooncake master: killed (SIGKILL) or frozen (SIGSTOP), the master is
 replaced on the same ports, the consumer keeps answering meanwhile (misses, each equal to a
-recomputation), and hits come back after. Runs last: every restart empties the store."""
+recomputation), and hits come back after: on the tiny model's pair and on each hybrid preset's
+(kv_both engines). Runs last on each pair: every restart empties the store."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 
 from kvtool.client import complete
 
-from .pairtools import consume, produce, prompt
+from .pairtools import PairMaster, consume, produce, prompt
 
 pytestmark = pytest.mark.e2e
 
@@ -80,22 +81,38 @@ def hits_again(pair, seed: int) -> None:
 
 
 def test_a_killed_master_is_restarted_by_serve_pair(pair, pair_master):
-    hits_again(pair, 200)
+    killed_master(pair, pair_master, seed=200)
+
+
+def test_a_frozen_master_is_replaced_by_serve_pair(pair, pair_master):
+    frozen_master(pair, pair_master, seed=600)
+
+
+def test_a_hybrid_pairs_killed_master_is_restarted(hybrid):
+    killed_master(hybrid, PairMaster(hybrid), seed=1200)
+
+
+def test_a_hybrid_pairs_frozen_master_is_replaced(hybrid):
+    frozen_master(hybrid, PairMaster(hybrid), seed=1600)
+
+
+def killed_master(pair, pair_master, seed: int) -> None:
+    hits_again(pair, seed)
     old, restarts = pair_master.pid(), pair_master.restarts()
     os.kill(old, signal.SIGKILL)
 
-    new = consume_until_replaced(pair, pair_master, old, seed=300)
+    new = consume_until_replaced(pair, pair_master, old, seed=seed + 100)
     assert not is_running_master(old)
     # Once, or more when a start did not pass its health check in time on a loaded machine.
     assert pair_master.restarts() >= restarts + 1, supervisor_log(pair)
     assert pair_master.address == pair["master"] and pair_master.ready()["admin"] == pair["admin"]
     assert f"(pid {old}) was killed by SIGKILL" in supervisor_log(pair)
     assert f"again as pid {new}" in supervisor_log(pair)
-    hits_again(pair, 400)
+    hits_again(pair, seed + 200)
 
 
-def test_a_frozen_master_is_replaced_by_serve_pair(pair, pair_master):
-    hits_again(pair, 600)
+def frozen_master(pair, pair_master, seed: int) -> None:
+    hits_again(pair, seed)
     old, restarts = pair_master.pid(), pair_master.restarts()
     os.kill(old, signal.SIGSTOP)  # its ports stay open and nothing answers: only a health check tells
     # A stream decodes through the freeze while new prompts arrive: no engine step waits on the store
@@ -103,13 +120,13 @@ def test_a_frozen_master_is_replaced_by_serve_pair(pair, pair_master):
     streamed: dict = {}
     decoding = threading.Thread(
         target=lambda: streamed.update(
-            complete(pair["consumer"], pair["model"], prompt(650, 30), max_tokens=STREAM_TOKENS, stream=True,
+            complete(pair["consumer"], pair["model"], prompt(seed + 50, 30), max_tokens=STREAM_TOKENS, stream=True,
                      extra={"ignore_eos": True})
         )
     )  # fmt: skip
     decoding.start()
     try:
-        new = consume_until_replaced(pair, pair_master, old, seed=700)
+        new = consume_until_replaced(pair, pair_master, old, seed=seed + 100)
     finally:
         if is_running_master(old) and pair_master.pid() == old:
             os.kill(old, signal.SIGCONT)  # not replaced: let the pair go on (and stop) normally
@@ -121,4 +138,4 @@ def test_a_frozen_master_is_replaced_by_serve_pair(pair, pair_master):
     log = supervisor_log(pair)
     assert f"(pid {old}) has failed its health check" in log and "killed it (SIGKILL)" in log
     assert f"again as pid {new}" in log
-    hits_again(pair, 800)
+    hits_again(pair, seed + 200)
