@@ -16,10 +16,25 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .backend import KVStore
 from .calls import BoundedCalls, StoreError
+from .objects import POINTER_SIZE
 from .prefix import ExistsFn, PromptKeys, ReadFn, StoredPrefix, find_stored_prefixes
 
 Outcome = StoredPrefix | StoreError
+
+# A pointer read gets this share of the lookup's time-out: when it stalls (a first transfer from a
+# peer's segment can, see the README's known issues), the lookup still answers, with the hit that
+# needs no pointer.
+POINTER_READ_SHARE = 0.25
+
+
+def pointer_reader(store: KVStore, timeout_s: float) -> Callable[[list[str]], list[bytes | None]]:
+    """How a lookup reads the pointer records its hit relies on (small objects): within a share of the
+    lookup's time budget, on one thread of its own (a read still stuck there fails the next one at
+    once), so a slow read costs lookups their pointer hits only, never their other hits or a stall."""
+    calls = BoundedCalls("kvtool-pointer-read", limit=1)
+    return lambda keys: calls.call(lambda: store.get(keys, POINTER_SIZE), timeout_s, "pointer read")
 
 
 @dataclass

@@ -9,16 +9,14 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from .config import KVToolConfig, divergence_grid
-from .data import BlockTransfer, KVToolMetadata, RequestLoad, RequestSave, StoredObject, prompt_watermark_id
+from .data import BlockTransfer, KVToolMetadata, RequestLoad, RequestSave, StoredObject
 from .groups import NULL_BLOCK_ID, CacheGroup, GroupKind
-from .hits import HitDetails
-from .keys import KeyKind, Namespace, watermark_key
-from .objects import POINTER_SIZE
-from .watermarks import SEQ_FINAL
+from .keys import KeyKind, Namespace
 from .calls import BoundedCalls
-from .lookups import LookupBatcher
-from .prefix import ObjectRef, PromptKeys, StoredPrefix, plan_load, plan_save, single_group
+from .lookups import POINTER_READ_SHARE, LookupBatcher, pointer_reader
+from .prefix import ObjectRef, StoredPrefix, plan_load, plan_save, single_group
 from .store import KVStore, StoreError
+from .saveplans import last_put_key, save_transfer
 from .tracking import KeySpace, RequestLog, TrackedRequest
 
 if TYPE_CHECKING:
@@ -27,33 +25,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger("vllm.kvtool")
-
-
-# A pointer read gets this share of the lookup's time-out: when it stalls (a first transfer from a
-# peer's segment can, see the README's known issues), the lookup still answers, with the hit that
-# needs no pointer.
-POINTER_READ_SHARE = 0.25
-
-
-def _pointer_reader(store: KVStore, timeout_s: float) -> Callable[[list[str]], list[bytes | None]]:
-    """How a lookup reads the pointer records its hit relies on (small objects): within a share of the
-    lookup's time budget, on one thread of its own (a read still stuck there fails the next one at
-    once), so a slow read costs lookups their pointer hits only, never their other hits or a stall."""
-    calls = BoundedCalls("kvtool-pointer-read", limit=1)
-    return lambda keys: calls.call(lambda: store.get(keys, POINTER_SIZE), timeout_s, "pointer read")
-
-
-def save_transfer(keys: PromptKeys, ref: ObjectRef, block_id: int) -> BlockTransfer:
-    """A save object copied from ``block_id``, with the pointers to put after it."""
-    pointers = tuple((p.token_end, p.chain_hash) for p in keys.pointers_inside(ref))
-    return BlockTransfer(block_id, ref.kind, ref.token_start, ref.token_end, ref.chain_hash, ref.group, pointers)
-
-
-def last_put_key(keys: PromptKeys, saved: list[ObjectRef]) -> str:
-    """The key a save puts last: the last pointer of its one batch of pointers (put after every object),
-    else its last object. Once it is stored, every put of the save was tried."""
-    pointers = [pointer for ref in saved for pointer in keys.pointers_inside(ref)]
-    return pointers[-1].key if pointers else saved[-1].key
 
 
 class SchedulerSide:
@@ -94,7 +65,7 @@ class SchedulerSide:
                 store.exists,
                 config.lookup_timeout_s,
                 calls=lookup_calls,
-                read=_pointer_reader(store, config.lookup_timeout_s * POINTER_READ_SHARE),
+                read=pointer_reader(store, config.lookup_timeout_s * POINTER_READ_SHARE),
             )
             if store is not None
             else None
@@ -456,46 +427,10 @@ class SchedulerSide:
         if answer is not None:
             self._pending_saves.append(answer)
             self._holding.add(request.request_id)
-        details = self.hit_details(tracked)
+        details = tracked.hit_details()
         if self._request_log is not None:
             self._request_log.write(request, details)
         return answer is not None, {"kvtool": details.to_dict()}
-
-    @staticmethod
-    def hit_details(tracked: TrackedRequest) -> HitDetails:
-        plan = tracked.plan
-        local = tracked.local_tokens
-        external = tracked.granted_external
-        block = min(plan.block_tokens, external) if plan else 0
-        lookup = tracked.lookup
-        if tracked.load_failure is not None:
-            # vLLM recomputed from the first block that failed: report only what was really reused.
-            first_bad_token, cause = tracked.load_failure
-            external = max(0, min(external, first_bad_token - local))
-            block = min(block, external)
-            lookup = f"load failed: {cause}"
-        return HitDetails(
-            prompt_tokens=len(tracked.keys.tokens),
-            lookup=lookup,
-            stored_prefix_tokens=tracked.stored_prefix_tokens,
-            local_hit_tokens=local,
-            external_hit_tokens=external,
-            block_hit_tokens=block,
-            tail_hit_tokens=external - block,
-            load_failure=tracked.load_failure[1] if tracked.load_failure else None,
-            save_objects=tracked.save_objects,
-            save_tail_boundary=tracked.tail_boundary_saved,
-            save_last_key=tracked.last_saved_key,
-            watermark_key=watermark_key(
-                tracked.keys.namespace, prompt_watermark_id(tracked.request.request_id, tracked.turn), SEQ_FINAL
-            )
-            if tracked.save_objects
-            else None,
-            namespace=tracked.keys.namespace,
-            answer_tokens=tracked.answer_tokens,
-            answer_save_objects=tracked.answer_objects,
-            answer_last_key=tracked.answer_last_key,
-        )
 
     def _warn_once(self, topic: str, message: str) -> None:
         if topic not in self._warned:

@@ -17,11 +17,14 @@ import logging
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+from .data import prompt_watermark_id
 from .groups import CacheGroup
 from .hashing import RequestIdentity, UnkeyableTokens
 from .hits import HitDetails
 from .identity import UnhashableRequest, identity_size, prompt_tokens, request_identity
+from .keys import watermark_key
 from .prefix import LoadPlan, PromptKeys, StoredPrefix
+from .watermarks import SEQ_FINAL
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -101,6 +104,43 @@ class TrackedRequest:
         self.turn += 1
         self.save_scheduled = False  # the new prompt is saved when it is complete
         return True
+
+    def hit_details(self) -> HitDetails:
+        """The request's hit details, as its response and the request log carry them."""
+        tracked = self
+        plan = tracked.plan
+        local = tracked.local_tokens
+        external = tracked.granted_external
+        block = min(plan.block_tokens, external) if plan else 0
+        lookup = tracked.lookup
+        if tracked.load_failure is not None:
+            # vLLM recomputed from the first block that failed: report only what was really reused.
+            first_bad_token, cause = tracked.load_failure
+            external = max(0, min(external, first_bad_token - local))
+            block = min(block, external)
+            lookup = f"load failed: {cause}"
+        return HitDetails(
+            prompt_tokens=len(tracked.keys.tokens),
+            lookup=lookup,
+            stored_prefix_tokens=tracked.stored_prefix_tokens,
+            local_hit_tokens=local,
+            external_hit_tokens=external,
+            block_hit_tokens=block,
+            tail_hit_tokens=external - block,
+            load_failure=tracked.load_failure[1] if tracked.load_failure else None,
+            save_objects=tracked.save_objects,
+            save_tail_boundary=tracked.tail_boundary_saved,
+            save_last_key=tracked.last_saved_key,
+            watermark_key=watermark_key(
+                tracked.keys.namespace, prompt_watermark_id(tracked.request.request_id, tracked.turn), SEQ_FINAL
+            )
+            if tracked.save_objects
+            else None,
+            namespace=tracked.keys.namespace,
+            answer_tokens=tracked.answer_tokens,
+            answer_save_objects=tracked.answer_objects,
+            answer_last_key=tracked.answer_last_key,
+        )
 
 
 class RequestLog:

@@ -15,7 +15,7 @@ from connector.keys import KeyKind
 from connector.objects import PointerRecord, encode_pointer
 from connector.prefix import PromptKeys, find_stored_prefix, plan_load, plan_save
 from connector.objects import POINTER_SIZE
-from connector.scheduler import save_transfer
+from connector.saveplans import save_transfer
 from connector.store import PutOutcome
 
 from .scripted_store import ScriptedStore

@@ -5,7 +5,6 @@ keeps the root it always had."""
 
 from __future__ import annotations
 
-import copy
 import os
 from types import SimpleNamespace
 
@@ -14,13 +13,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from connector.hashing import RequestIdentity
 from connector.identity import (
-    UnhashableRequest,
-    embeddings_digest,
     model_identity,
     model_identity_document,
-    request_identity,
 )
 from connector.keys import Namespace
 
@@ -344,29 +339,6 @@ def test_namespace_without_model_identity_keeps_its_fingerprint():
 KNOWN_NAMESPACE = "1ce2ff7aeef39f81"  # computed with the code before the identity fields existed
 
 
-def test_engine_namespace_folds_in_the_model_identity():
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
-
-    from connector.layout import engine_layout
-
-    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float32)
-    kv_cache_config = SimpleNamespace(
-        kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=["l0", "l1"])], kv_cache_layout=None
-    )
-
-    def namespace(cfg, digest=""):
-        cfg.parallel_config = SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1)
-        return engine_layout(cfg, kv_cache_config, None, digest).namespace
-
-    base = namespace(vllm_config())
-    assert base.model_identity == model_identity(vllm_config())
-    assert base.model == "/nonexistent/model"
-    assert namespace(vllm_config()) == base
-    fp8 = vllm_config(cache={"cache_dtype": "fp8_e5m2"})
-    assert namespace(fp8).key_component() != base.key_component()
-    assert namespace(vllm_config(), "digest").key_component() != base.key_component()
-
-
 def _namespace(cfg):
     return Namespace(
         model="m",
@@ -378,210 +350,3 @@ def _namespace(cfg):
         head_size=64,
         model_identity=model_identity(cfg),
     )
-
-
-# -- request side -----------------------------------------------------------------------------------
-
-
-def request(tokens=(1, 2, 3), embeds=None, mask=None, salt=None, lora=None, features=()):
-    return SimpleNamespace(
-        request_id="r",
-        prompt_token_ids=list(tokens),
-        prompt_embeds=embeds,
-        prompt_is_token_ids=mask,
-        cache_salt=salt,
-        lora_request=lora,
-        mm_features=list(features),
-    )
-
-
-def root(req):
-    return request_identity(req).root_hash()
-
-
-def test_text_requests_keep_todays_roots():
-    # The roots every stored key was made with: a request without embeddings (or LoRA) keeps them.
-    assert root(request()) == RequestIdentity().root_hash()
-    assert root(request(salt="alice")) == RequestIdentity(cache_salt="alice").root_hash()
-    assert RequestIdentity().root_hash().hex() == KNOWN_ROOT
-    assert RequestIdentity(cache_salt="alice").root_hash().hex() == KNOWN_SALTED_ROOT
-
-
-KNOWN_ROOT = "80e60d2914f13000383418ab4082a98a"  # computed with the code before the identity fields existed
-KNOWN_SALTED_ROOT = "339294933035e5750d2945a636832fa2"  # computed with the code before the identity fields existed
-
-
-def test_embeddings_never_share_a_root_with_text_of_the_same_ids():
-    embeds = torch.randn(3, 8)
-    assert root(request(embeds=embeds)) != root(request())
-    assert root(request(embeds=embeds)) == root(request(embeds=embeds.clone()))
-    assert root(request(embeds=embeds, salt="a")) != root(request(salt="a"))
-
-
-def test_different_embeddings_differ():
-    embeds = torch.randn(3, 8)
-    changed = embeds.clone()
-    changed[1, 4] += 1.0
-    assert root(request(embeds=embeds)) != root(request(embeds=changed))
-
-
-def test_dtype_shape_and_mask_are_part_of_the_digest():
-    raw = torch.arange(24, dtype=torch.int16)
-    as_int16 = raw.reshape(3, 8)
-    as_bf16 = raw.view(torch.bfloat16).reshape(3, 8)  # the same bytes, another dtype
-    reshaped = raw.reshape(4, 6)  # the same bytes, another shape
-    digests = {embeddings_digest(t) for t in (as_int16, as_bf16, reshaped)}
-    assert len(digests) == 3
-    mixed = {
-        embeddings_digest(as_bf16, None),
-        embeddings_digest(as_bf16, [True, False, False]),
-        embeddings_digest(as_bf16, [False, True, False]),
-    }
-    assert len(mixed) == 3
-
-
-def test_digest_reads_any_layout_on_the_cpu():
-    embeds = torch.randn(8, 4)
-    assert embeddings_digest(embeds.t().contiguous().t()) == embeddings_digest(embeds)  # strides do not matter
-    assert embeddings_digest(embeds.to_sparse()) == embeddings_digest(embeds)
-    assert embeddings_digest(embeds.requires_grad_()) == embeddings_digest(embeds.detach())
-
-
-@settings(max_examples=50, deadline=None)
-@given(
-    a=st.lists(st.floats(-1e3, 1e3, width=32), min_size=1, max_size=24),
-    b=st.lists(st.floats(-1e3, 1e3, width=32), min_size=1, max_size=24),
-)
-def test_digests_are_equal_exactly_when_the_bytes_are(a, b):
-    ta, tb = torch.tensor(a, dtype=torch.float32), torch.tensor(b, dtype=torch.float32)
-    same = ta.shape == tb.shape and ta.numpy().tobytes() == tb.numpy().tobytes()
-    assert (embeddings_digest(ta) == embeddings_digest(tb)) == same
-
-
-def test_unreadable_embeddings_make_the_request_unhashable():
-    for bad in ([[0.1, 0.2]], "embeds", torch.randn(2, 2, device="meta")):
-        with pytest.raises(UnhashableRequest):
-            request_identity(request(embeds=bad))
-
-
-def test_lora_path_and_multimodal_positions_separate_requests():
-    lora_a = SimpleNamespace(lora_name="ad", lora_int_id=1, lora_path="/adapters/a")
-    lora_b = SimpleNamespace(lora_name="ad", lora_int_id=1, lora_path="/adapters/b")
-    assert root(request(lora=lora_a)) != root(request(lora=lora_b))
-    assert root(request(lora=lora_a)) == root(request(lora=copy.copy(lora_a)))
-
-    def feature(offset):
-        return SimpleNamespace(identifier="img-1", mm_position=SimpleNamespace(offset=offset, length=4))
-
-    assert root(request(features=[feature(0)])) != root(request(features=[feature(2)]))
-    assert root(request(features=[feature(0)])) == root(request(features=[feature(0)]))
-    with pytest.raises(UnhashableRequest):
-        request_identity(request(features=[SimpleNamespace(identifier=None, mm_position=None)]))
-
-
-def test_real_vllm_requests_carry_embeddings_where_we_read_them():
-    from vllm.sampling_params import SamplingParams
-    from vllm.v1.request import Request
-
-    embeds = torch.randn(4, 8)
-    params = SamplingParams(max_tokens=1)
-    text = Request("t", [5, 6, 7, 8], params, None)
-    only_embeds = Request("e", None, params, None, prompt_embeds=embeds)
-    mixed = Request(
-        "m", [5, 0, 0, 8], params, None, prompt_embeds=embeds, prompt_is_token_ids=[True, False, False, True]
-    )
-    same_ids = Request("s", [5, 0, 0, 8], params, None)  # text with the mixed prompt's placeholder ids
-    assert len({root(r) for r in (text, only_embeds, mixed)}) == 3
-    assert root(mixed) != root(same_ids)
-    assert root(text) == root(same_ids) == RequestIdentity().root_hash()  # text: today's root, tokens apart
-
-
-def test_hybrid_layouts_name_their_groups_and_refuse_what_they_cannot_load_exactly():
-    import pytest
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
-
-    from connector.groups import GroupKind
-    from connector.layout import UnsupportedLayout, engine_layout
-
-    full = FullAttentionSpec(block_size=64, num_kv_heads=2, head_size=32, dtype=torch.float32)
-    mamba = MambaSpec(block_size=64, shapes=((3, 288), (8, 32, 16)), dtypes=(torch.float32, torch.float32))
-    window = SlidingWindowSpec(block_size=64, num_kv_heads=2, head_size=32, dtype=torch.float32, sliding_window=64)
-
-    def layout(specs, **cache):
-        cfg = vllm_config(cache=cache)
-        cfg.parallel_config = SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1)
-        groups = [SimpleNamespace(kv_cache_spec=s, layer_names=[f"l{i}"]) for i, s in enumerate(specs)]
-        return engine_layout(cfg, SimpleNamespace(kv_cache_groups=groups, kv_cache_layout=None), None, "")
-
-    hybrid = layout([mamba, full], mamba_cache_mode="align")
-    assert [g.kind for g in hybrid.groups] == [GroupKind.STATE, GroupKind.FULL]
-    assert hybrid.namespace.cache_groups.startswith("state:64;full:64|")
-    swa = layout([window, full])
-    assert [(g.kind, g.window) for g in swa.groups] == [(GroupKind.SLIDING, 64), (GroupKind.FULL, None)]
-    assert swa.namespace.key_component() != layout([full]).namespace.key_component()
-    with pytest.raises(UnsupportedLayout, match="align"):
-        layout([mamba, full], mamba_cache_mode="none")
-    # Sub-block matching on a Mamba model: the producer's L - 1 state (WorkerSide.repair_block_copies).
-    assert layout([mamba, full], mamba_cache_mode="align", prefix_match_unit=1).groups == hybrid.groups
-
-
-def test_speculative_layouts_are_refused_on_hybrid_groups():
-    import pytest
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
-
-    from connector.layout import UnsupportedLayout, engine_layout
-
-    full = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
-    window = SlidingWindowSpec(
-        block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32, sliding_window=64, extra_retained_tokens=2
-    )
-    cfg = vllm_config()
-    cfg.parallel_config = SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1)
-    groups = [SimpleNamespace(kv_cache_spec=s, layer_names=[f"l{i}"]) for i, s in enumerate([window, full])]
-    with pytest.raises(UnsupportedLayout, match="below its window"):
-        engine_layout(cfg, SimpleNamespace(kv_cache_groups=groups, kv_cache_layout=None), None, "")
-
-
-def _layout(cfg):
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
-
-    from connector.layout import engine_layout
-
-    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
-    kv_cache_config = SimpleNamespace(
-        kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=["l0", "l1"])], kv_cache_layout=None
-    )
-    cfg.parallel_config = SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1)
-    return engine_layout(cfg, kv_cache_config, None, "")
-
-
-def test_the_attention_kernels_block_layout_moves_the_namespace(monkeypatch):
-    """A bf16 producer on an AMX host prepacks its blocks; a consumer on a host without AMX must not
-    share its keys (same sizes, same checksums, permuted K/V)."""
-    import vllm.v1.attention.backends.cpu_attn as cpu_attn
-
-    monkeypatch.setattr(cpu_attn, "_get_attn_isa", lambda *args: "amx")
-    amx = _layout(vllm_config())
-    monkeypatch.setattr(cpu_attn, "_get_attn_isa", lambda *args: "vec")
-    vec = _layout(vllm_config())
-    assert amx.attention == ("CPU_ATTN:amx",) and vec.attention == ("CPU_ATTN:vec",)
-    assert amx.namespace.key_component() != vec.namespace.key_component()
-    assert amx.namespace.fingerprint() != vec.namespace.fingerprint()
-
-
-def test_the_worker_refuses_layers_laid_out_otherwise_than_the_namespace_says(monkeypatch):
-    import vllm.v1.attention.backends.cpu_attn as cpu_attn
-
-    from connector.layout import UnsupportedLayout, check_attention_layout
-
-    monkeypatch.setattr(cpu_attn, "_get_attn_isa", lambda *args: "vec")
-    layout = _layout(vllm_config())
-
-    def engine(isa):
-        backend = SimpleNamespace(get_name=lambda: "CPU_ATTN")
-        layers = {name: SimpleNamespace(attn_backend=backend, isa=isa) for name in ("l0", "l1")}
-        return SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context=layers))
-
-    check_attention_layout(engine("vec"), layout)
-    with pytest.raises(UnsupportedLayout, match="amx"):
-        check_attention_layout(engine("amx"), layout)
