@@ -185,6 +185,8 @@ def summarize(rounds: list[dict], frozen: bool) -> dict:
         # The engine's own histogram (vLLM's vllm:inter_token_latency_seconds): bucket upper bounds.
         "engine_itl_ms_p50_at_most": round(bucket_quantile(engine, 0.5) * 1e3, 2),
         "engine_itl_ms_p99_at_most": round(bucket_quantile(engine, 0.99) * 1e3, 2),
+        # The bucket holding the engine's worst inter-token latency (its upper bound).
+        "engine_itl_ms_max_at_most": round(bucket_quantile(engine, 1.0) * 1e3, 2),
         "engine_itl_samples": int(engine.get(float("inf"), 0)),
         # As the client sees it: gaps between stream chunks (vLLM coalesces chunks of a slow reader).
         "itl_ms_p50": round(quantile(gaps, 0.5) * 1e3, 2),
