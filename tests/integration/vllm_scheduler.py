@@ -60,8 +60,9 @@ class DrivenScheduler:
                     self.finished[finished.request_id] = finished.kv_transfer_params or {}
         return output
 
-    def run_until(self, done, steps: int = 400) -> None:
-        """Step until ``done()`` (lookups answer on a background thread: an idle step waits a little)."""
+    def run_until(self, done, steps: int = 3000) -> None:
+        """Step until ``done()`` (lookups answer on a background thread: an idle step waits a little;
+        a lookup answers, a miss at worst, within the connector's 2 s time-out)."""
         for _ in range(steps):
             if done():
                 return
