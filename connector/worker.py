@@ -49,6 +49,7 @@ class WorkerSide:
         self._config = config
         self._saves_enabled = saves_enabled and store is not None
         self._groups: list[list[torch.Tensor]] = []  # per KV cache group: its layers' cache tensors
+        self._widest_views: tuple[torch.Tensor, ...] = ()
         self._group_bytes: list[int] = []  # per group: bytes of one block across its layers
         self._load_failures: dict[str, tuple[int, str]] = {}
         self._sent: set[str] = set()
@@ -86,6 +87,13 @@ class WorkerSide:
                     tensors.append(tensor)
             groups.append(tensors)
         self._groups = groups
+        # Per cache start address, the view spanning the most bytes a block (repair_block_copies).
+        widest: dict[int, torch.Tensor] = {}
+        for tensor in (t for tensors in groups for t in tensors):
+            known = widest.get(tensor.data_ptr())
+            if known is None or tensor[0].nbytes > known[0].nbytes:
+                widest[tensor.data_ptr()] = tensor
+        self._widest_views = tuple(widest.values())
         self._group_bytes = [sum(t[0].numel() * t.element_size() for t in tensors) for tensors in groups]
         for index, tensors in enumerate(groups):
             logger.info(
@@ -176,13 +184,7 @@ class WorkerSide:
             return
         src = torch.tensor([pair[0] for pair in copies], dtype=torch.long)
         dst = torch.tensor([pair[1] for pair in copies], dtype=torch.long)
-        widest: dict[int, torch.Tensor] = {}  # start address -> the view spanning the most bytes a block
-        for tensors in self._groups:
-            for tensor in tensors:
-                known = widest.get(tensor.data_ptr())
-                if known is None or tensor[0].nbytes > known[0].nbytes:
-                    widest[tensor.data_ptr()] = tensor
-        for tensor in widest.values():
+        for tensor in self._widest_views:
             tensor[dst] = tensor[src]  # gathers every source before writing (vLLM's semantics)
         self._count("block_copies_repaired", len(copies))
 
