@@ -15,6 +15,7 @@ from .hashing import block_hashes, check_token_ids, save_tail_boundary, tail_bou
 from .keys import KeyKind, decode_key, object_key
 from .calls import StoreError
 from .objects import ObjectRejected, verify_pointer
+from .served import ServedIndex
 
 ExistsFn = Callable[[list[str]], list[bool]]
 ReadFn = Callable[[list[str]], list["bytes | None"]]  # small objects (pointer records) by key
@@ -268,7 +269,8 @@ def _chain_blocks(keys: PromptKeys, ends: Sequence[int], present: frozenset[str]
     boundary every group serves."""
     full = [group.index for group in keys.groups if group.kind is GroupKind.FULL]
     if not full:
-        aligned = [end for end in ends if end % keys.block_size == 0 and keys.serves(end, present)]
+        index = ServedIndex(keys, present)
+        aligned = [end for end in ends if end % keys.block_size == 0 and index.serves(end)]
         return max(aligned, default=0) // keys.block_size
     count = 0
     while count < keys.num_full_blocks and all(keys.block_key(count, group) in present for group in full):
@@ -317,9 +319,7 @@ def find_stored_prefixes(
 
 def _longest(keys: PromptKeys, ends: Sequence[int], known: frozenset[str]) -> tuple[int, int]:
     """The longest stored prefix, and the longest one a load can claim (one token short of the prompt)."""
-    length = len(keys.tokens)
-    served = [end for end in ends if end > 0 and keys.serves(end, known)]
-    return max(served, default=0), max((end for end in served if end < length), default=0)
+    return ServedIndex(keys, known).longest(ends)
 
 
 def _settle_pointers(
