@@ -80,6 +80,18 @@ def encode_header(header: ObjectHeader) -> bytes:
 
 def encode_object(header: ObjectHeader, payload: bytes | memoryview) -> bytes:
     """The stored bytes: header (with length and checksum filled in from the payload) + payload."""
+    data = bytearray(HEADER_SIZE + len(payload))
+    data[HEADER_SIZE:] = payload
+    seal_object(header, data)
+    return bytes(data)
+
+
+def seal_object(header: ObjectHeader, data: bytearray) -> None:
+    """Fill in the header of an object whose payload is already in place after ``HEADER_SIZE`` bytes.
+
+    The engine's step copies a block's bytes straight into such a buffer; the checksum (CRC-32, which
+    releases the GIL on large buffers) and the header are written here, on the saver's thread."""
+    payload = memoryview(data)[HEADER_SIZE:]
     filled = ObjectHeader(
         namespace_fingerprint=header.namespace_fingerprint,
         chain_hash=header.chain_hash,
@@ -92,7 +104,7 @@ def encode_object(header: ObjectHeader, payload: bytes | memoryview) -> bytes:
         payload_crc=zlib.crc32(payload),
         group=header.group,
     )
-    return encode_header(filled) + bytes(payload)
+    data[:HEADER_SIZE] = encode_header(filled)
 
 
 def decode_header(data: bytes | memoryview) -> ObjectHeader:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from .calls import StoreError
 from .data import RequestSave
 from .keys import KeyKind
+from .objects import ObjectHeader, seal_object
 from .store import KVStore, PutOutcome
 from .watermarks import SEQ_FINAL, SEQ_PENDING, ObjectProgress, WatermarkRecord, watermark
 
@@ -35,12 +36,15 @@ DROPPED_SHUTDOWN = "dropped_shutdown"  # not tried: the engine shut down first
 
 @dataclass(frozen=True)
 class ObjectCopy:
-    """One object of a save, copied and encoded, waiting for its put."""
+    """One object of a save, copied, waiting for its put."""
 
     transfer_number: int  # index in the save's transfers
     key: str
-    value: bytes
+    value: bytes | bytearray
     pointers: tuple[tuple[str, bytes], ...] = ()  # (key, record) of its pointers, put once it is stored
+    # Set when ``value`` holds the payload only, after room for the header: the put thread seals it
+    # (checksum and header, ``objects.seal_object``) so that the engine's step made the copy alone.
+    header: ObjectHeader | None = None
 
 
 class SaveJob:
@@ -156,6 +160,8 @@ class Saver:
             elif found:
                 outcome = "present"
             else:
+                if copy.header is not None and isinstance(copy.value, bytearray):
+                    seal_object(copy.header, copy.value)
                 outcome = self._put(copy.key, copy.value).value
                 if outcome == PutOutcome.STORED.value:
                     self._count("bytes_saved", len(copy.value))

@@ -22,7 +22,7 @@ from .config import KVToolConfig
 from .data import BlockTransfer, KVToolMetadata, KVToolWorkerMeta, RequestSave
 from .keys import KeyKind, Namespace, object_key, watermark_key
 from .loader import Loader
-from .objects import HEADER_SIZE, ObjectHeader, PointerRecord, encode_object, encode_pointer
+from .objects import HEADER_SIZE, ObjectHeader, PointerRecord, encode_pointer
 from .saver import ObjectCopy, Saver, SaveJob
 from .store import KVStore
 
@@ -254,23 +254,30 @@ class WorkerSide:
         if fits == 0:
             return
         # The budget keeps a prefix: objects in put order (blocks by position, then tails and states).
+        # Only the copy of the block's bytes happens on the engine's step; the put thread seals them.
         copies = [
             ObjectCopy(
                 number,
                 self._key(transfer),
-                encode_object(self._header(transfer), self._read_block(transfer)),
+                self._copy_block(transfer),
                 self._pointers(transfer),
+                header=self._header(transfer),
             )
             for number, transfer in enumerate(save.transfers[:fits])
         ]
         job = SaveJob(save, copies, lambda seq: watermark_key(self._ns_key, save.watermark_id, seq))
         self._saver.submit(job, sum(sizes[:fits]))
 
-    def _read_block(self, transfer: BlockTransfer) -> bytes:
-        block = transfer.block_id
-        return b"".join(
-            t[block].contiguous().view(torch.uint8).reshape(-1).numpy().tobytes() for t in self._groups[transfer.group]
-        )
+    def _copy_block(self, transfer: BlockTransfer) -> bytearray:
+        """The block's bytes, every layer in turn, after room for the object header: one copy."""
+        data = bytearray(HEADER_SIZE + self._group_bytes[transfer.group])
+        target = torch.frombuffer(data, dtype=torch.uint8)
+        offset = HEADER_SIZE
+        for layer in self._groups[transfer.group]:
+            source = layer[transfer.block_id].contiguous().view(torch.uint8).reshape(-1)
+            target[offset : offset + source.numel()].copy_(source)
+            offset += source.numel()
+        return data
 
     def take_stats(self) -> dict[str, int]:
         with self._stats_lock:
