@@ -33,6 +33,9 @@ class HitDetails:
     answer_tokens: int = 0
     answer_save_objects: int = 0
     answer_last_key: str | None = None
+    # The lookup could not read a pointer record its best hit relied on (a store or transfer failure):
+    # the hit fell back to what the lookup found without it.
+    pointer_read_failed: bool = False
     # Only in request-log records: the vLLM request id and the client's kvtool_tag.
     request_id: str | None = None
     tag: str | None = None

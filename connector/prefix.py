@@ -225,6 +225,8 @@ class StoredPrefix:
     queries: int = 1  # round trips it took
     # Pointer key -> the object it names, read and found stored by the lookup: a load reads that object.
     targets: dict[str, ObjectRef] = field(default_factory=dict)
+    # A pointer read failed (the store, not the record): hits that relied on it were dropped.
+    pointer_read_failed: bool = False
 
     @property
     def full_blocks(self) -> int:
@@ -308,12 +310,15 @@ def find_stored_prefixes(
     ]
     known = [found | found_inner for found, found_inner in zip(present, more, strict=True)]
     targets: list[dict[str, ObjectRef]] = [{} for _ in prompts]
-    rounds = _settle_pointers(prompts, candidates, known, targets, exists, read) if read is not None else 0
+    unread: set[int] = set()
+    rounds = _settle_pointers(prompts, candidates, known, targets, exists, read, unread) if read is not None else 0
     results = []
-    for keys, ends, found, pointed, inner in zip(prompts, candidates, known, targets, inner_ends, strict=True):
+    for index, (keys, ends, found, pointed, inner) in enumerate(
+        zip(prompts, candidates, known, targets, inner_ends, strict=True)
+    ):
         tokens, hit = _longest(keys, ends, found)
         queries = (2 if inner else 1) + 2 * rounds
-        results.append(StoredPrefix(keys.block_size, tokens, hit, found, queries, pointed))
+        results.append(StoredPrefix(keys.block_size, tokens, hit, found, queries, pointed, index in unread))
     return results
 
 
@@ -329,12 +334,14 @@ def _settle_pointers(
     targets: list[dict[str, ObjectRef]],
     exists: ExistsFn,
     read: ReadFn,
+    unread: set[int],
 ) -> int:
     """Read the pointers each prompt's hit relies on and check that the objects they name are stored;
     a pointer that is unreadable, bad, or names a missing object (evicted: pointers are small and may
     outlive it) is dropped, and the hit falls back to what else is stored. Returns the rounds taken.
 
-    Updates ``known`` (drops bad pointers) and ``targets`` (pointer key -> object) in place."""
+    Updates ``known`` (drops bad pointers), ``targets`` (pointer key -> object) and ``unread`` (the
+    prompts whose pointer read failed) in place."""
     for rounds in range(1, POINTER_ROUNDS + 1):
         asked: list[tuple[int, ObjectRef]] = []
         for index, (keys, ends) in enumerate(zip(prompts, candidates, strict=True)):
@@ -353,6 +360,7 @@ def _settle_pointers(
             ]
             stored = iter(exists([target.key for target in named if target is not None]))
         except StoreError:
+            unread.update(index for index, _ in asked)
             break  # a pointer read or check failed: no hit relies on a pointer not settled (below)
         for (index, ref), target in zip(asked, named, strict=True):
             if target is not None and next(stored):

@@ -127,6 +127,8 @@ class SchedulerSide:
             self._warn_once("lookup", f"kvtool: store lookup failed, serving as a cache miss: {outcome}")
             tracked.lookup, tracked.plan, tracked.stored = f"error: {outcome}", None, None
             return 0, False
+        if outcome.pointer_read_failed:
+            self.stats["pointer_reads_failed"] += 1
         plan = plan_load(tracked.keys, outcome, num_computed_tokens)
         tracked.plan, tracked.stored = plan, outcome
         tracked.stored_prefix_tokens = outcome.tokens

@@ -140,6 +140,7 @@ class TrackedRequest:
             answer_tokens=tracked.answer_tokens,
             answer_save_objects=tracked.answer_objects,
             answer_last_key=tracked.answer_last_key,
+            pointer_read_failed=tracked.stored is not None and tracked.stored.pointer_read_failed,
         )
 
 

@@ -125,6 +125,24 @@ def warm_pointer_reads(pair: dict, timeout_s: float = 120.0) -> None:
         seed += 2
 
 
+def through_pointer_stalls(attempt, timeout_s: float = 150.0) -> HitDetails:
+    """Run ``attempt(try_number)`` (a fresh stored prompt and its diverging one each time; it asserts
+    what the consumer reused) until its lookup read the pointer records its hit relied on.
+
+    A lookup whose pointer read failed (``pointer_read_failed``: the transfer from a peer's segment
+    stalled, the README's known Mooncake issue) falls back to the hit it has without the pointer; its
+    answer was still checked against a recomputation by ``consume``. Any other miss fails at once.
+    """
+    deadline = time.monotonic() + timeout_s
+    for number in range(1000):
+        details = attempt(number)
+        if not details.pointer_read_failed:
+            return details
+        assert time.monotonic() < deadline, f"pointer reads failed for {timeout_s:.0f} s: {details}"
+        time.sleep(3.0)
+    raise AssertionError("unreachable")
+
+
 @contextmanager
 def store_client(pair: dict) -> Iterator[TimedStore]:
     """A store client of the test's own on the pair's master, lending no memory."""

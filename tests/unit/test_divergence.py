@@ -227,6 +227,8 @@ def test_a_failed_pointer_read_costs_only_the_pointer_hits_of_its_batch():
     extending, leaving = keys_for(STORED + [7, 8, 9], grid=8), keys_for(diverging(75, 90), grid=8)
     found = find_stored_prefixes([extending, leaving], store.exists, failing_read)
     assert [prefix.hit_tokens for prefix in found] == [85, 64]  # the extension keeps its tail hit
+    # Only the prompt whose hit relied on a pointer says its read failed (its hit details carry it).
+    assert [prefix.pointer_read_failed for prefix in found] == [False, True]
 
 
 def test_a_new_save_replaces_a_pointer_whose_object_is_gone():
