@@ -1,0 +1,144 @@
+"""Lookup latency against a real master: one step's batch of N new 1k-token requests.
+
+Starts its own loopback ``mooncake_master``, stores prompts through the connector's store stack,
+then times ``find_stored_prefixes`` (what the lookup thread runs for one step's batch: keys, the
+existence queries, pointer reads) for batches of 1, 16 and 64 new requests. Half of each batch
+extends a stored prompt past a point inside one of its blocks (a divergence point: pointers are
+read), half is unseen. Wall ms per batch, p50 and p99 over ``--batches`` batches.
+
+    .venv/bin/python benchmarks/fast-path/lookup_latency.py [--block-size 32] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.update({"MC_TCP_BIND_ADDRESS": "127.0.0.1", "VLLM_HOST_IP": "127.0.0.1"})
+
+from connector.config import divergence_grid, load_config  # noqa: E402
+from connector.hashing import RequestIdentity  # noqa: E402
+from connector.lookups import pointer_reader  # noqa: E402
+from connector.objects import HEADER_SIZE, PointerRecord, encode_pointer  # noqa: E402
+from connector.prefix import PromptKeys, find_stored_prefixes, plan_save  # noqa: E402
+from connector.store import open_store  # noqa: E402
+
+LEVELS = (1, 16, 64)
+PROMPT = 1024
+FINGERPRINT = bytes(range(16))  # a namespace: its key component is a prefix of the fingerprint's hex
+NAMESPACE = FINGERPRINT.hex()[:16]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_master() -> tuple[subprocess.Popen, str]:
+    rpc, admin = free_port(), free_port()
+    binary = str(Path(sys.executable).parent / "mooncake_master")
+    argv = [binary, "--rpc_address=127.0.0.1", f"--rpc_port={rpc}", "--metrics_host=127.0.0.1",
+            f"--metrics_port={admin}", "--enable_http_metadata_server=false"]  # fmt: skip
+    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", rpc), timeout=1):
+                return process, f"127.0.0.1:{rpc}"
+        except OSError:
+            time.sleep(0.2)
+    process.kill()
+    raise RuntimeError("mooncake_master did not start")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument("--batches", type=int, default=40)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    bs = args.block_size
+    master, address = start_master()
+    try:
+        config = load_config({"master_server_address": address, "global_segment_size": 256 << 20})
+        store = open_store(config)
+        grid = divergence_grid(config, bs)
+        root = RequestIdentity().root_hash()
+        rng = random.Random(0)
+
+        def keys_for(tokens: list[int]) -> PromptKeys:
+            return PromptKeys.build(tokens, bs, config.hash_unit, NAMESPACE, root, grid=grid)
+
+        # Stored prompts, with their pointers (a tiny payload stands in for KV: only keys are asked).
+        stored_prompts = [[rng.randrange(32000) for _ in range(PROMPT)] for _ in range(max(LEVELS))]
+        for tokens in stored_prompts:
+            keys = keys_for(tokens)
+            items = [(ref.key, b"\0" * (HEADER_SIZE + 64)) for ref in plan_save(keys)]
+            store.put_many(items)
+            pointers = [
+                (
+                    p.key,
+                    encode_pointer(
+                        PointerRecord(
+                            FINGERPRINT, p.chain_hash, p.group, p.token_end, ref.kind, ref.token_end, ref.chain_hash
+                        )
+                    ),
+                )  # fmt: skip
+                for ref in plan_save(keys)
+                for p in keys.pointers_inside(ref)
+            ]
+            if pointers:
+                store.put_many(pointers, replace=True)
+        exists = store.exists
+        read = pointer_reader(store, config.lookup_timeout_s)
+        results = {}
+        for level in LEVELS:
+            times = []
+            for _ in range(args.batches):
+                batch = []
+                for i in range(level):
+                    if i % 2 == 0:  # extends a stored prompt past a point inside one of its blocks
+                        base = stored_prompts[rng.randrange(len(stored_prompts))]
+                        cut = rng.randrange(bs, PROMPT - bs)
+                        batch.append(base[:cut] + [rng.randrange(32000) for _ in range(PROMPT - cut)])
+                    else:
+                        batch.append([rng.randrange(32000) for _ in range(PROMPT)])
+                t0 = time.perf_counter()
+                find_stored_prefixes([keys_for(tokens) for tokens in batch], exists, read)
+                times.append((time.perf_counter() - t0) * 1e3)
+            times.sort()
+            results[str(level)] = {
+                "p50_ms": round(statistics.median(times), 2),
+                "p99_ms": round(times[min(len(times) - 1, int(0.99 * len(times)))], 2),
+            }
+            print(level, results[str(level)], flush=True)
+        store.close()
+    finally:
+        master.kill()
+        master.wait()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    out = {
+        "what": "wall ms of one step's lookup batch of N new 1k-token requests against a real master",
+        "commit": commit,
+        "block_size": bs,
+        "hash_unit": config.hash_unit,
+        "divergence_grid": grid,
+        "batches": args.batches,
+        "lookup_ms_by_batch": results,
+        "lookup_p99_ms": {level: row["p99_ms"] for level, row in results.items()},
+    }
+    if args.out:
+        args.out.write_text(json.dumps(out, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
