@@ -39,10 +39,22 @@ class ServedIndex:
         return all(self._group_serves(group, hit) for group in keys.groups)
 
     def longest(self, ends: Sequence[int]) -> tuple[int, int]:
-        """The longest served end, and the longest one short of the whole prompt (what a load may claim)."""
-        length = len(self._keys.tokens)
-        served = [end for end in ends if self.serves(end)]
-        return max(served, default=0), max((end for end in served if end < length), default=0)
+        """The longest served end, and the longest one short of the whole prompt (what a load may claim):
+        the ends are tried from the longest down, and the search stops at the first served one short of
+        the prompt."""
+        keys = self._keys
+        length = len(keys.tokens)
+        # A full-attention group needs every block before the hit's last one: no end past the block
+        # after its leading stored run can be served.
+        full = [g.index for g in keys.groups if g.kind is GroupKind.FULL]
+        reach = min(((self._leading_run(g) + 1) * keys.block_size for g in full), default=length)
+        longest = 0
+        for end in sorted({end for end in ends if end <= reach}, reverse=True):
+            if self.serves(end):
+                longest = max(longest, end)
+                if end < length:
+                    return longest, end
+        return longest, 0
 
     def _group_serves(self, group: CacheGroup, hit: int) -> bool:
         keys = self._keys
@@ -54,6 +66,11 @@ class ServedIndex:
             counts = self._block_counts(group.index)
             if counts[last] - counts[first] != last - first:
                 return False
+        index = (hit - 1) // keys.block_size
+        if index < keys.num_full_blocks:
+            counts = self._block_counts(group.index)
+            if counts[index + 1] > counts[index]:
+                return True  # the full block holding token hit - 1 (no ref built: this runs per candidate)
         return self.last_object(group, hit) is not None
 
     def last_object(self, group: CacheGroup, hit: int) -> ObjectRef | None:
@@ -70,6 +87,14 @@ class ServedIndex:
         ends, first_stored = self._inner_index(group.index, index)
         position = bisect_left(ends, hit)
         return first_stored[position] if position < len(ends) else None
+
+    def _leading_run(self, group: int) -> int:
+        """How many leading full blocks ``group`` holds."""
+        counts = self._block_counts(group)
+        run = 0
+        while run < len(counts) - 1 and counts[run + 1] > counts[run]:
+            run += 1
+        return run
 
     def _block_counts(self, group: int) -> list[int]:
         counts = self._counts.get(group)

@@ -55,6 +55,9 @@ def test_the_index_serves_exactly_the_lengths_the_walk_serves(layout, prompt, cu
     keys = keys_for(prompt, groups, unit, grid)
     present = frozenset(stored)
     index = ServedIndex(keys, present)
+    served = [hit for hit in range(1, len(prompt) + 1) if keys.serves(hit, present)]
+    walked = (max(served, default=0), max((hit for hit in served if hit < len(prompt)), default=0))
+    assert index.longest(range(0, len(prompt) + 1)) == walked
     for hit in range(0, len(prompt) + 1):
         assert index.serves(hit) == keys.serves(hit, present), (hit, layout)
         for group in groups:
