@@ -60,17 +60,13 @@ class ServedIndex:
         keys = self._keys
         if group.kind is GroupKind.STATE:
             return keys.state_ref(hit, group.index).key in self._present
-        last = (hit - 1) // keys.block_size
+        last = (hit - 1) // keys.block_size  # the block holding token hit - 1
         first = group.first_needed_block(hit)
-        if first < last:
-            counts = self._block_counts(group.index)
-            if counts[last] - counts[first] != last - first:
-                return False
-        index = (hit - 1) // keys.block_size
-        if index < keys.num_full_blocks:
-            counts = self._block_counts(group.index)
-            if counts[index + 1] > counts[index]:
-                return True  # the full block holding token hit - 1 (no ref built: this runs per candidate)
+        counts = self._block_counts(group.index)
+        if first < last and counts[last] - counts[first] != last - first:
+            return False
+        if last < keys.num_full_blocks and counts[last + 1] > counts[last]:
+            return True  # that block is stored whole (no ref built: this runs for every candidate end)
         return self.last_object(group, hit) is not None
 
     def last_object(self, group: CacheGroup, hit: int) -> ObjectRef | None:
