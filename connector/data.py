@@ -22,6 +22,9 @@ class BlockTransfer:
     # A save's pointers to this object, put right after it: (boundary, prefix hash) at every divergence
     # grid multiple inside it. A load's transfer of kind POINTER reads the pointer, then its object.
     pointers: tuple[tuple[int, bytes], ...] = ()
+    # With pointers: the object's token ids [token_start, token_end), which each pointer record carries
+    # from its boundary on (a lookup compares them with its prompt's to find the exact common prefix).
+    token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

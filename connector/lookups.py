@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 
 from .backend import KVStore
 from .calls import BoundedCalls, StoreError
-from .objects import POINTER_SIZE
-from .prefix import ExistsFn, PromptKeys, ReadFn, StoredPrefix, find_stored_prefixes
+from .objects import pointer_size
+from .prefix import PromptKeys
+from .search import ExistsFn, ReadFn, StoredPrefix, find_stored_prefixes
 
 Outcome = StoredPrefix | StoreError
 
@@ -29,12 +30,12 @@ Outcome = StoredPrefix | StoreError
 POINTER_READ_SHARE = 0.25
 
 
-def pointer_reader(store: KVStore, timeout_s: float) -> Callable[[list[str]], list[bytes | None]]:
+def pointer_reader(store: KVStore, timeout_s: float, block_size: int) -> Callable[[list[str]], list[bytes | None]]:
     """How a lookup reads the pointer records its hit relies on (small objects): within a share of the
     lookup's time budget, on one thread of its own (a read still stuck there fails the next one at
     once), so a slow read costs lookups their pointer hits only, never their other hits or a stall."""
     calls = BoundedCalls("kvtool-pointer-read", limit=1)
-    return lambda keys: calls.call(lambda: store.get(keys, POINTER_SIZE), timeout_s, "pointer read")
+    return lambda keys: calls.call(lambda: store.get(keys, pointer_size(block_size)), timeout_s, "pointer read")
 
 
 @dataclass
@@ -60,9 +61,11 @@ class LookupBatcher:
         clock: Callable[[], float] = time.monotonic,
         calls: BoundedCalls | None = None,
         read: ReadFn | None = None,
+        extend_min_tokens: int = 1,
     ):
         self._exists = exists
         self._read = read
+        self._extend_min_tokens = extend_min_tokens
         self._timeout_s = timeout_s
         self._clock = clock
         self._calls = calls or BoundedCalls("kvtool-lookup", limit=1)
@@ -100,7 +103,9 @@ class LookupBatcher:
             return
         prompts = [p.keys for _, p in waiting]
         try:
-            future = self._calls.submit(lambda: find_stored_prefixes(prompts, self._exists, self._read), "lookup")
+            future = self._calls.submit(
+                lambda: find_stored_prefixes(prompts, self._exists, self._read, self._extend_min_tokens), "lookup"
+            )
         except StoreError as exc:
             for _, pending in waiting:
                 pending.outcome = exc

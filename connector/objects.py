@@ -169,15 +169,25 @@ def verify_object(data: bytes | memoryview, expected: ObjectHeader) -> memoryvie
 
 # -- pointers ----------------------------------------------------------------------------------------
 #
-# A pointer names the stored object that holds the KV of a prefix ending inside it (a divergence point):
-# its key has the prefix's tail hash, its value says which object of the same group to load.
+# A pointer names the stored object that holds the KV of a prefix ending inside it (a divergence point),
+# or continuing it from its block's start: its key has the prefix's hash, its value says which object of
+# the same group to load, and carries that object's token ids from the pointer's boundary to the
+# object's end. A lookup compares them with the prompt's and claims the exact common prefix: the chain
+# hash in the key binds everything else that makes KV differ (the root: salt, adapter, multimodal
+# inputs, embeddings), so past the boundary only the token ids can.
 #
-#   magic "KVP0" | format u16 | namespace fingerprint 16B | chain hash 16B (the pointer's) | group u8 |
-#   boundary u32 | target kind u8 | target token_end u32 | target chain hash 16B
+#   magic "KVP1" | format u16 | namespace fingerprint 16B | chain hash 16B (the pointer's) | group u8 |
+#   boundary u32 | target kind u8 | target token_end u32 | target chain hash 16B |
+#   token ids u32 x (target token_end - boundary) | crc32 u32 of all before it
 
-POINTER_MAGIC = b"KVP0"
+POINTER_MAGIC = b"KVP1"
 _POINTER = struct.Struct("<4sH16s16sBIBI16s")
-POINTER_SIZE = _POINTER.size
+_CRC = struct.Struct("<I")
+
+
+def pointer_size(block_size: int) -> int:
+    """The most bytes a pointer record takes: one that names a block from its start."""
+    return _POINTER.size + 4 * block_size + _CRC.size
 
 
 @dataclass(frozen=True)
@@ -189,10 +199,11 @@ class PointerRecord:
     target_kind: KeyKind  # BLOCK or TAIL: an object of the same group, starting at the same block
     target_end: int
     target_hash: bytes
+    token_ids: tuple[int, ...] = ()  # the target's tokens [boundary, target_end)
 
 
 def encode_pointer(record: PointerRecord) -> bytes:
-    return _POINTER.pack(
+    head = _POINTER.pack(
         POINTER_MAGIC,
         FORMAT_VERSION,
         record.namespace_fingerprint,
@@ -203,6 +214,8 @@ def encode_pointer(record: PointerRecord) -> bytes:
         record.target_end,
         record.target_hash,
     )
+    body = head + struct.pack(f"<{len(record.token_ids)}I", *record.token_ids)
+    return body + _CRC.pack(zlib.crc32(body))
 
 
 def verify_pointer(
@@ -210,14 +223,20 @@ def verify_pointer(
 ) -> PointerRecord:
     """Check a stored pointer against the one a lookup asked for (its namespace key component, prefix
     hash, group and boundary); return it. Its target must be a block or tail of the same block that
-    reaches past it. The object it names is checked in full when it is loaded."""
-    if len(data) != POINTER_SIZE:
-        raise ObjectRejected("truncated", f"a pointer is {POINTER_SIZE} bytes, this one {len(data)}")
+    reaches past it, and its token ids cover exactly that reach. The object it names is checked in full
+    when it is loaded."""
+    if len(data) < _POINTER.size + _CRC.size:
+        raise ObjectRejected("truncated", f"a pointer is at least {_POINTER.size + _CRC.size} bytes, not {len(data)}")
     magic, version, ns, chain, found_group, found_boundary, kind_code, target_end, target_hash = _POINTER.unpack_from(
         data
     )
     if magic != POINTER_MAGIC or version != FORMAT_VERSION:
         raise ObjectRejected("foreign", "not a kvtool pointer of this format")
+    if len(data) != _POINTER.size + 4 * max(0, target_end - found_boundary) + _CRC.size:
+        raise ObjectRejected("truncated", f"pointer of {len(data)} bytes for {target_end - found_boundary} tokens")
+    body = memoryview(data)[: len(data) - _CRC.size]
+    if zlib.crc32(body) != _CRC.unpack_from(data, len(body))[0]:
+        raise ObjectRejected("checksum", "pointer checksum does not match")
     if not ns.hex().startswith(namespace):
         raise ObjectRejected("namespace", "pointer was written under another namespace")
     if chain != chain_hash or (found_group, found_boundary) != (group, boundary):
@@ -229,4 +248,5 @@ def verify_pointer(
         raise ObjectRejected("corrupt", f"pointer at {boundary} names {kind} ending at {target_end}")
     if (kind is KeyKind.BLOCK) != (target_end == block_end):
         raise ObjectRejected("corrupt", f"pointer names a {kind.name.lower()} ending at {target_end}")
-    return PointerRecord(ns, chain, group, boundary, kind, target_end, target_hash)
+    ids = struct.unpack_from(f"<{target_end - boundary}I", data, _POINTER.size)
+    return PointerRecord(ns, chain, group, boundary, kind, target_end, target_hash, ids)

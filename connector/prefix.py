@@ -1,25 +1,22 @@
-"""Finding the longest stored prefix of a prompt, and turning it into a load plan. Pure logic.
+"""A prompt's keys in every cache group, what each group needs for a hit, and the plans a load and a
+save follow. Pure logic (``connector.search`` asks the store which of these keys it holds).
 
-The store is consulted through an ``exists`` callable, so the rules here are tested without one.
 A model has one or more KV cache groups (``connector.groups``); a prefix is stored when every group
 holds what it needs for it, and a load reads each group's objects into that group's blocks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .groups import CacheGroup, GroupKind
 from .hashing import block_hashes, check_token_ids, save_tail_boundary, tail_boundaries, tail_hash
-from .keys import KeyKind, decode_key, object_key
-from .calls import StoreError
-from .objects import ObjectRejected, verify_pointer
-from .served import ServedIndex
+from .keys import KeyKind, object_key
 
-ExistsFn = Callable[[list[str]], list[bool]]
-ReadFn = Callable[[list[str]], list["bytes | None"]]  # small objects (pointer records) by key
-POINTER_ROUNDS = 2  # at most this many (read, exists) rounds settle a lookup's pointers
+if TYPE_CHECKING:  # search.py uses this module; StoredPrefix is only an annotation here
+    from .search import StoredPrefix
 
 
 def single_group(block_size: int) -> tuple[CacheGroup, ...]:
@@ -54,6 +51,10 @@ class PromptKeys:
     # Divergence grid: stored block and tail objects are pointed to at its multiples inside them, so a
     # prompt that leaves a stored one there finds the common prefix (0: no pointers).
     grid: int = 0
+    # Pointers at each stored object's block start too: a hit ending at a block boundary goes on through
+    # their token ids (worth it only where the grid's first point inside a block is further than a
+    # lookup's ``extend_min_tokens``: a gain past that point finds that point's pointer instead).
+    start_pointers: bool = False
     # Tail hashes already computed: a lookup asks for the same ones in every group and candidate.
     _tails: dict[int, bytes] = field(default_factory=dict, compare=False, repr=False)
     # Inner candidate ends per block, likewise asked for again and again.
@@ -69,6 +70,7 @@ class PromptKeys:
         root: bytes,
         groups: tuple[CacheGroup, ...] | None = None,
         grid: int = 0,
+        start_pointers: bool = False,
     ) -> PromptKeys:
         groups = groups or single_group(block_size)
         if any(group.block_size != block_size for group in groups):
@@ -76,7 +78,7 @@ class PromptKeys:
         tokens = tuple(tokens)
         check_token_ids(tokens)
         chain = tuple(block_hashes(tokens, block_size, root))
-        return cls(tokens, block_size, hash_unit, namespace, root, chain, groups, grid)
+        return cls(tokens, block_size, hash_unit, namespace, root, chain, groups, grid, start_pointers and grid > 0)
 
     @property
     def num_full_blocks(self) -> int:
@@ -111,20 +113,33 @@ class PromptKeys:
                          index * self.block_size, boundary, digest)  # fmt: skip
 
     def pointer_ref(self, boundary: int, group: int = 0) -> ObjectRef:
-        """The pointer at ``boundary`` (inside a block): it has a tail's hash, and names a stored object
-        of ``group`` that holds this prefix's KV and more."""
+        """The pointer at ``boundary``: inside a block it has a tail's hash, and names a stored object of
+        ``group`` that holds this prefix's KV and more; at a block's start (0 included) it has the chain
+        hash there, and names an object of that block that continues this prefix."""
         index = boundary // self.block_size
-        digest = self.tail_hash(boundary)
+        digest = self.tail_hash(boundary) if boundary % self.block_size else self.parent_of_block(index)
         return ObjectRef(object_key(self.namespace, group, KeyKind.POINTER, boundary, digest), group,
                          KeyKind.POINTER, index, index * self.block_size, boundary, digest)  # fmt: skip
 
     def pointers_inside(self, ref: ObjectRef) -> list[ObjectRef]:
         """The pointers a save writes for one of its block or tail objects: at every grid multiple
-        strictly inside the tokens it holds."""
+        strictly inside the tokens it holds, and at its block's start (``start_pointers``). Each record
+        carries the object's token ids from its boundary on, so a prompt sharing part of them finds the
+        exact common prefix."""
         if not self.grid or ref.kind not in (KeyKind.BLOCK, KeyKind.TAIL):
             return []
         inside = tail_boundaries(ref.block_index, self.block_size, self.grid, ref.token_end - 1)
-        return [self.pointer_ref(boundary, ref.group) for boundary in inside]
+        starts = (ref.token_start,) if self.start_pointers else ()
+        return [self.pointer_ref(boundary, ref.group) for boundary in (*starts, *inside)]
+
+    def extension_refs(self, hit: int, group: int) -> list[ObjectRef]:
+        """The pointer whose record may extend a hit of ``hit`` tokens that ends at a block boundary into
+        the next block: at that block's start. (A hit inside a block extends through the pointer it
+        relies on, already read; one ending at the prompt's own tail could gain less than the grid's
+        step, not worth a read.)"""
+        if not self.start_pointers or hit % self.block_size or hit >= len(self.tokens) - 1:
+            return []
+        return [self.pointer_ref(hit, group)]
 
     def state_ref(self, end: int, group: int) -> ObjectRef:
         """The state after ``end`` tokens: it lives in the block holding token ``end - 1``."""
@@ -161,10 +176,11 @@ class PromptKeys:
 
     # -- what a group needs ---------------------------------------------------------------------------
 
-    def probe_refs(self, ends: Sequence[int], blocks: bool) -> list[ObjectRef]:
+    def probe_refs(self, ends: Sequence[int], blocks: bool, start_of: int | None = None) -> list[ObjectRef]:
         """The objects a lookup asks about, in every group: the full blocks (when ``blocks``) and, at
         each candidate end, a tail (attention groups) or a state (state groups; also one token short
-        of the prompt, the most a hit on the prompt itself can claim)."""
+        of the prompt, the most a hit on the prompt itself can claim); and the pointer at the start of
+        block ``start_of``, which may extend a hit ending there (attention groups of a stateless model)."""
         refs: list[ObjectRef] = []
         for group in self.groups:
             if group.kind is GroupKind.STATE:
@@ -174,7 +190,15 @@ class PromptKeys:
             if blocks:
                 refs += [self.block_ref(i, group.index) for i in range(self.num_full_blocks)]
             refs += [ref for end in ends if end % self.block_size for ref in self._inner_refs(end, group.index)]
+        if start_of is not None and self.start_pointers and not self.has_state_group:
+            start = start_of * self.block_size
+            refs += [self.pointer_ref(start, g.index) for g in self.groups if start < len(self.tokens) - 1]
         return refs
+
+    @property
+    def has_state_group(self) -> bool:
+        """A state group holds states at exact ends only: no hit extends past a stored end there."""
+        return any(group.kind is GroupKind.STATE for group in self.groups)
 
     def _last_object(self, group: CacheGroup, hit: int, present: frozenset[str]) -> ObjectRef | None:
         """A stored object that holds the KV of token ``hit - 1`` for an attention group: the full
@@ -193,10 +217,16 @@ class PromptKeys:
         return None
 
     def objects_for(
-        self, group: CacheGroup, hit: int, present: frozenset[str], from_block: int = 0
+        self,
+        group: CacheGroup,
+        hit: int,
+        present: frozenset[str],
+        from_block: int = 0,
+        final: ObjectRef | None = None,
     ) -> list[ObjectRef] | None:
         """What ``group`` loads for a hit of ``hit`` tokens, blocks below ``from_block`` excluded
-        (the engine's own cached ones); None when something it needs is not stored."""
+        (the engine's own cached ones); None when something it needs is not stored. ``final``: the
+        object that holds the hit's last token, when a pointer's token ids extended the hit to it."""
         if group.kind is GroupKind.STATE:
             state = self.state_ref(hit, group.index)
             return [state] if state.key in present else None
@@ -206,188 +236,12 @@ class PromptKeys:
             return None
         if last < from_block:
             return refs
-        final = self._last_object(group, hit, present)
+        final = final or self._last_object(group, hit, present)
         return None if final is None else refs + [final]
 
     def serves(self, hit: int, present: frozenset[str]) -> bool:
         """Whether every group holds what a hit of ``hit`` tokens needs."""
         return hit > 0 and all(self.objects_for(group, hit, present) is not None for group in self.groups)
-
-
-@dataclass(frozen=True)
-class StoredPrefix:
-    """The longest prefix of a prompt whose KV is in the store, for every group."""
-
-    block_size: int
-    tokens: int  # the longest stored prefix, the whole prompt included
-    hit_tokens: int  # the longest stored prefix a load can claim: at least one prompt token is computed
-    present: frozenset[str] = frozenset()  # every key the lookup found stored
-    queries: int = 1  # round trips it took
-    # Pointer key -> the object it names, read and found stored by the lookup: a load reads that object.
-    targets: dict[str, ObjectRef] = field(default_factory=dict)
-    # A pointer read failed (the store, not the record): hits that relied on it were dropped.
-    pointer_read_failed: bool = False
-
-    @property
-    def full_blocks(self) -> int:
-        return self.tokens // self.block_size
-
-    @property
-    def tail_boundary(self) -> int | None:
-        return self.tokens if self.tokens % self.block_size else None
-
-    @property
-    def block_tokens(self) -> int:
-        return self.full_blocks * self.block_size
-
-
-def find_stored_prefix(keys: PromptKeys, exists: ExistsFn, read: ReadFn | None = None) -> StoredPrefix:
-    """Longest stored prefix of one prompt (see ``find_stored_prefixes``)."""
-    return find_stored_prefixes([keys], exists, read)[0]
-
-
-def _ask(exists: ExistsFn, refs_per_prompt: list[list[ObjectRef]]) -> list[frozenset[str]]:
-    """One existence query for every prompt's refs; the keys found, per prompt."""
-    query = sorted({ref.key for refs in refs_per_prompt for ref in refs})
-    if not query:
-        return [frozenset() for _ in refs_per_prompt]
-    found = {key for key, present in zip(query, exists(query), strict=True) if present}
-    return [frozenset(ref.key for ref in refs if ref.key in found) for refs in refs_per_prompt]
-
-
-def _first_round_ends(keys: PromptKeys) -> list[int]:
-    """Candidate ends asked about first: every block boundary and the tail boundaries of the
-    prompt's last block."""
-    ends = {(i + 1) * keys.block_size for i in range(keys.num_full_blocks)}
-    ends.update(keys.inner_candidates(len(keys.tokens) // keys.block_size))
-    return sorted(ends)
-
-
-def _chain_blocks(keys: PromptKeys, ends: Sequence[int], present: frozenset[str]) -> int:
-    """How many leading blocks are stored: where a stored shorter prompt may end, inside the next one.
-
-    Counted on the full-attention groups, which keep every block (a state group holds states at a
-    few boundaries only, a sliding window only its window); without one, at the longest block
-    boundary every group serves."""
-    full = [group.index for group in keys.groups if group.kind is GroupKind.FULL]
-    if not full:
-        index = ServedIndex(keys, present)
-        aligned = [end for end in ends if end % keys.block_size == 0 and index.serves(end)]
-        return max(aligned, default=0) // keys.block_size
-    count = 0
-    while count < keys.num_full_blocks and all(keys.block_key(count, group) in present for group in full):
-        count += 1
-    return count
-
-
-def find_stored_prefixes(
-    prompts: Sequence[PromptKeys], exists: ExistsFn, read: ReadFn | None = None
-) -> list[StoredPrefix]:
-    """Longest stored prefix of each prompt, at hash-unit granularity, in at most two queries in all.
-
-    The first query asks, for every prompt and group, for every full-block key, the tail (or state)
-    candidates of the prompt's last block, and the state one token short of the prompt, which
-    answers the common cases (a repeated prompt; every block stored) in one round trip. Where the
-    stored block boundaries stop earlier, at block k, a second query (one for all such prompts) asks
-    for the candidates inside block k: that is where a stored shorter prompt (a sub-block prompt,
-    the previous chat turn) ends.
-    """
-    first_ends = [_first_round_ends(keys) for keys in prompts]
-    present = _ask(exists, [keys.probe_refs(ends, blocks=True) for keys, ends in zip(prompts, first_ends, strict=True)])
-
-    inner_ends: list[list[int]] = []
-    for keys, ends, found in zip(prompts, first_ends, present, strict=True):
-        length = len(keys.tokens)
-        block = _chain_blocks(keys, ends, found)
-        inner_ends.append([] if block == length // keys.block_size else keys.inner_candidates(block))
-    second_refs = [keys.probe_refs(ends, blocks=False) for keys, ends in zip(prompts, inner_ends, strict=True)]
-    asked_twice = any(second_refs)
-    more = _ask(exists, second_refs) if asked_twice else [frozenset() for _ in prompts]
-
-    candidates = [
-        sorted({*ends, *inner, len(keys.tokens), len(keys.tokens) - 1})
-        for keys, ends, inner in zip(prompts, first_ends, inner_ends, strict=True)
-    ]
-    known = [found | found_inner for found, found_inner in zip(present, more, strict=True)]
-    targets: list[dict[str, ObjectRef]] = [{} for _ in prompts]
-    unread: set[int] = set()
-    rounds = _settle_pointers(prompts, candidates, known, targets, exists, read, unread) if read is not None else 0
-    results = []
-    for index, (keys, ends, found, pointed, inner) in enumerate(
-        zip(prompts, candidates, known, targets, inner_ends, strict=True)
-    ):
-        tokens, hit = _longest(keys, ends, found)
-        queries = (2 if inner else 1) + 2 * rounds
-        results.append(StoredPrefix(keys.block_size, tokens, hit, found, queries, pointed, index in unread))
-    return results
-
-
-def _longest(keys: PromptKeys, ends: Sequence[int], known: frozenset[str]) -> tuple[int, int]:
-    """The longest stored prefix, and the longest one a load can claim (one token short of the prompt)."""
-    return ServedIndex(keys, known).longest(ends)
-
-
-def _settle_pointers(
-    prompts: Sequence[PromptKeys],
-    candidates: list[list[int]],
-    known: list[frozenset[str]],
-    targets: list[dict[str, ObjectRef]],
-    exists: ExistsFn,
-    read: ReadFn,
-    unread: set[int],
-) -> int:
-    """Read the pointers each prompt's hit relies on and check that the objects they name are stored;
-    a pointer that is unreadable, bad, or names a missing object (evicted: pointers are small and may
-    outlive it) is dropped, and the hit falls back to what else is stored. Returns the rounds taken.
-
-    Updates ``known`` (drops bad pointers), ``targets`` (pointer key -> object) and ``unread`` (the
-    prompts whose pointer read failed) in place."""
-    for rounds in range(1, POINTER_ROUNDS + 1):
-        asked: list[tuple[int, ObjectRef]] = []
-        for index, (keys, ends) in enumerate(zip(prompts, candidates, strict=True)):
-            hit = _longest(keys, ends, known[index])[1]
-            for group in keys.groups if hit else ():
-                for ref in keys.objects_for(group, hit, known[index]) or ():
-                    if ref.kind is KeyKind.POINTER and ref.key not in targets[index]:
-                        asked.append((index, ref))
-        if not asked:
-            return rounds - 1
-        try:
-            records = read([ref.key for _, ref in asked])
-            named = [
-                pointer_target(prompts[index], ref, record) if record else None
-                for (index, ref), record in zip(asked, records, strict=True)
-            ]
-            stored = iter(exists([target.key for target in named if target is not None]))
-        except StoreError:
-            unread.update(index for index, _ in asked)
-            break  # a pointer read or check failed: no hit relies on a pointer not settled (below)
-        for (index, ref), target in zip(asked, named, strict=True):
-            if target is not None and next(stored):
-                targets[index][ref.key] = target
-            else:
-                known[index] = known[index] - {ref.key}
-    # Unsettled after the last round, or a failed read: no hit relies on a pointer not settled.
-    for index in range(len(prompts)):
-        known[index] = frozenset(key for key in known[index] if key in targets[index] or not _is_pointer(key))
-    return rounds
-
-
-def _is_pointer(key: str) -> bool:
-    decoded = decode_key(key)
-    return decoded is not None and decoded.kind is KeyKind.POINTER
-
-
-def pointer_target(keys: PromptKeys, pointer: ObjectRef, record: bytes) -> ObjectRef | None:
-    """The object a stored pointer record names, or None when the record is not this pointer's."""
-    try:
-        named = verify_pointer(record, keys.namespace, pointer.chain_hash, pointer.group, pointer.token_end,
-                               keys.block_size)  # fmt: skip
-    except ObjectRejected:
-        return None
-    key = object_key(keys.namespace, pointer.group, named.target_kind, named.target_end, named.target_hash)
-    return ObjectRef(key, pointer.group, named.target_kind, pointer.block_index, pointer.token_start,
-                     named.target_end, named.target_hash)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -412,7 +266,7 @@ def plan_load(keys: PromptKeys, stored: StoredPrefix, local_tokens: int) -> Load
     from_block = local_tokens // keys.block_size
     objects: list[ObjectRef] = []
     for group in keys.groups:
-        refs = keys.objects_for(group, hit, stored.present, from_block)
+        refs = keys.objects_for(group, hit, stored.present, from_block, stored.extended.get(group.index))
         if refs is None:  # the lookup found it stored; only a caller's own present set can miss it
             return LoadPlan(local_tokens, 0, 0, 0, ())
         objects += [stored.targets.get(ref.key, ref) for ref in refs]  # a pointer: the object it names

@@ -9,7 +9,9 @@ from .prefix import ObjectRef, PromptKeys
 def save_transfer(keys: PromptKeys, ref: ObjectRef, block_id: int) -> BlockTransfer:
     """A save object copied from ``block_id``, with the pointers to put after it."""
     pointers = tuple((p.token_end, p.chain_hash) for p in keys.pointers_inside(ref))
-    return BlockTransfer(block_id, ref.kind, ref.token_start, ref.token_end, ref.chain_hash, ref.group, pointers)
+    token_ids = keys.tokens[ref.token_start : ref.token_end] if pointers else ()
+    return BlockTransfer(block_id, ref.kind, ref.token_start, ref.token_end, ref.chain_hash, ref.group, pointers,
+                         token_ids)  # fmt: skip
 
 
 def last_put_key(keys: PromptKeys, saved: list[ObjectRef]) -> str:

@@ -8,13 +8,14 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from .config import KVToolConfig, divergence_grid
+from .config import KVToolConfig, divergence_grid, start_pointers
 from .data import BlockTransfer, KVToolMetadata, RequestLoad, RequestSave, StoredObject
 from .groups import NULL_BLOCK_ID, CacheGroup, GroupKind
 from .keys import KeyKind, Namespace
 from .calls import BoundedCalls
 from .lookups import POINTER_READ_SHARE, LookupBatcher, pointer_reader
-from .prefix import ObjectRef, StoredPrefix, plan_load, plan_save, single_group
+from .prefix import ObjectRef, plan_load, plan_save, single_group
+from .search import StoredPrefix
 from .store import KVStore, StoreError
 from .saveplans import last_put_key, save_transfer
 from .tracking import KeySpace, RequestLog, TrackedRequest
@@ -55,7 +56,8 @@ class SchedulerSide:
         self._has_state_group = any(g.kind is GroupKind.STATE for g in self._groups)
         self._pending_saves: list[RequestSave] = []  # answer saves, sent with the next step's metadata
         self._holding: set[str] = set()  # finished requests whose blocks an answer save holds
-        self._space = KeySpace(self._block_size, config.hash_unit, self._namespace, self._groups, self._grid)
+        self._space = KeySpace(self._block_size, config.hash_unit, self._namespace, self._groups, self._grid,
+                               start_pointers(config, self._block_size))  # fmt: skip
         self._tracked: dict[str, TrackedRequest] = {}
         self._pending_loads: list[RequestLoad] = []
         self._warned: set[str] = set()
@@ -65,7 +67,8 @@ class SchedulerSide:
                 store.exists,
                 config.lookup_timeout_s,
                 calls=lookup_calls,
-                read=pointer_reader(store, config.lookup_timeout_s * POINTER_READ_SHARE),
+                read=pointer_reader(store, config.lookup_timeout_s * POINTER_READ_SHARE, self._block_size),
+                extend_min_tokens=config.extend_min_tokens,
             )
             if store is not None
             else None

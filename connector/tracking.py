@@ -23,7 +23,8 @@ from .hashing import RequestIdentity, UnkeyableTokens
 from .hits import HitDetails
 from .identity import UnhashableRequest, identity_size, prompt_tokens, request_identity
 from .keys import watermark_key
-from .prefix import LoadPlan, PromptKeys, StoredPrefix
+from .prefix import LoadPlan, PromptKeys
+from .search import StoredPrefix
 from .watermarks import SEQ_FINAL
 
 if TYPE_CHECKING:
@@ -41,9 +42,11 @@ class KeySpace:
     namespace: str
     groups: tuple[CacheGroup, ...]
     grid: int
+    start_pointers: bool = False  # config.start_pointers
 
     def keys(self, tokens: list[int] | tuple[int, ...], root: bytes) -> PromptKeys:
-        return PromptKeys.build(tokens, self.block_size, self.hash_unit, self.namespace, root, self.groups, self.grid)
+        return PromptKeys.build(tokens, self.block_size, self.hash_unit, self.namespace, root, self.groups, self.grid,
+                                self.start_pointers)  # fmt: skip
 
 
 def request_keys(request: Request, space: KeySpace) -> tuple[PromptKeys, str | None]:

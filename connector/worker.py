@@ -148,6 +148,7 @@ class WorkerSide:
                         transfer.kind,
                         transfer.token_end,
                         transfer.chain_hash,
+                        transfer.token_ids[boundary - transfer.token_start :],
                     )  # fmt: skip
                 ),
             )

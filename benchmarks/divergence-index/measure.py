@@ -58,10 +58,12 @@ from connector.data import RequestSave  # noqa: E402
 from connector.hashing import RequestIdentity  # noqa: E402
 from connector.keys import KeyKind, Namespace, decode_key, watermark_key  # noqa: E402
 from connector.mooncake import MooncakeStore  # noqa: E402
-from connector.objects import HEADER_SIZE, POINTER_SIZE  # noqa: E402
-from connector.prefix import PromptKeys, StoredPrefix, find_stored_prefixes, plan_save  # noqa: E402
+from connector.objects import HEADER_SIZE, pointer_size  # noqa: E402
+from connector.prefix import PromptKeys, plan_save  # noqa: E402
+from connector.search import StoredPrefix, find_stored_prefixes  # noqa: E402
 from connector.saver import ObjectCopy, Saver, SaveJob  # noqa: E402
-from connector.scheduler import _pointer_reader, save_transfer  # noqa: E402
+from connector.lookups import POINTER_READ_SHARE, pointer_reader  # noqa: E402
+from connector.saveplans import save_transfer  # noqa: E402
 from connector.store import KVStore, PutOutcome, open_store  # noqa: E402
 from connector.worker import WorkerSide  # noqa: E402
 
@@ -387,9 +389,9 @@ def block_objects(log_dir: Path) -> dict[str, Any]:
 
 
 def pointers_per_block(block: int, grid: int) -> int:
-    """Multiples of the grid strictly inside a block (a block starts at a multiple of the grid or of B);
-    none without a grid (0)."""
-    return (block - 1) // grid if grid else 0
+    """A pointer at the block's start and at each multiple of the grid strictly inside it (a block starts
+    at a multiple of the grid or of B); none without a grid (0)."""
+    return 1 + (block - 1) // grid if grid else 0
 
 
 def batch_sizes(asked: Sequence[int]) -> list[int]:
@@ -611,24 +613,24 @@ def lookup_prompts(setting: Setting, tokens: Tokens, stored: Sequence[list[int]]
 
 
 def expected_hit(setting: Setting, case: str) -> int:
-    """The hit each case should find: the stored tail; the divergence point on the grid (whole blocks
-    without one); nothing."""
+    """The hit each case should find: the stored tail; the exact divergence point (a pointer's token ids
+    extend the hit from the grid point before it; whole blocks without a grid); nothing."""
     if case == "extends":
         return setting.prompt_tokens
     if case == "unseen":
         return 0
-    common, step = DIVERGE_AT * setting.block // 8, setting.grid or setting.block
-    return common // step * step
+    common = DIVERGE_AT * setting.block // 8
+    return common if setting.grid else common // setting.block * setting.block
 
 
 def timed_lookups(setting: Setting, log: CallLog, prompts: Sequence[PromptKeys], expected: int) -> dict[str, Any]:
     """``find_stored_prefixes`` for one prompt at a time, with the scheduler's pointer reader; every hit
     checked."""
-    read = _pointer_reader(log, DEFAULTS.lookup_timeout_s)
+    read = pointer_reader(log, DEFAULTS.lookup_timeout_s * POINTER_READ_SHARE, setting.block)
     found: list[StoredPrefix] = []
 
     def call(index: int) -> None:
-        found.append(find_stored_prefixes([prompts[index]], log.exists, read)[0])
+        found.append(find_stored_prefixes([prompts[index]], log.exists, read, DEFAULTS.extend_min_tokens)[0])
 
     log.clear()
     samples = timed_calls(call, len(prompts))
@@ -640,6 +642,7 @@ def timed_lookups(setting: Setting, log: CallLog, prompts: Sequence[PromptKeys],
         "hit_tokens": expected,
         "round_trips": sorted({prefix.queries for prefix in found}),
         "hits_through_a_pointer": sum(bool(prefix.targets) for prefix in found[WARMUP_LOOKUPS:]),
+        "hits_extended_by_token_ids": sum(bool(prefix.extended) for prefix in found[WARMUP_LOOKUPS:]),
         "keys_asked_per_lookup": round(log.keys["exists"] / calls, 1),
         "records_read_per_lookup": round(log.keys["get"] / calls, 1),
         "store_calls_mean_us": round((log.ns["exists"] + log.ns["get"]) / calls / 1e3, 1),
@@ -712,7 +715,7 @@ def connector_configuration() -> dict[str, Any]:
         "store": "connector.store.open_store (TimedStore over MooncakeStore; no circuit breaker)",
         "object_payload_bytes": CONNECTOR_OBJECT_BYTES,
         "object_header_bytes": HEADER_SIZE,
-        "pointer_record_bytes": POINTER_SIZE,
+        "pointer_record_bytes_max": {block: pointer_size(block) for block in CONNECTOR_OBJECT_BYTES},
         "saved_prompt": f"{SAVED_BLOCKS} full blocks + a tail of half a block",
         "saves_per_setting": CONNECTOR_SAVES,
         "warmup_saves": WARMUP_SAVES,

@@ -23,7 +23,8 @@ from pathlib import Path
 from connector.config import divergence_grid, load_config
 from connector.hashing import RequestIdentity
 from connector import prefix
-from connector.prefix import PromptKeys, find_stored_prefixes, plan_save
+from connector.prefix import PromptKeys, plan_save
+from connector.search import find_stored_prefixes
 
 LENGTHS = (1024, 8192, 32768)
 SETTINGS = ({"block_size": 256, "hash_unit": 1}, {"block_size": 32, "hash_unit": 1})

@@ -28,7 +28,8 @@ from connector.config import divergence_grid, load_config  # noqa: E402
 from connector.hashing import RequestIdentity  # noqa: E402
 from connector.lookups import pointer_reader  # noqa: E402
 from connector.objects import HEADER_SIZE, PointerRecord, encode_pointer  # noqa: E402
-from connector.prefix import PromptKeys, find_stored_prefixes, plan_save  # noqa: E402
+from connector.prefix import PromptKeys, plan_save  # noqa: E402
+from connector.search import find_stored_prefixes  # noqa: E402
 from connector.store import open_store  # noqa: E402
 
 LEVELS = (1, 16, 64)

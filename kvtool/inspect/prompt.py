@@ -14,16 +14,21 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from connector.config import KVToolConfig
 from connector.hashing import RequestIdentity, save_tail_boundary, tail_boundaries
 from connector.keys import KeyKind, decode_key
 from connector.objects import ObjectHeader, ObjectRejected, decode_header, verify_object
-from connector.prefix import PromptKeys, find_stored_prefix, plan_load
+from connector.prefix import PromptKeys, plan_load
+from connector.search import find_stored_prefix
 from connector.watermarks import WatermarkRecord
 
 from kvtool import admin
 from kvtool.errors import UserError
 from kvtool.report import Report, ReportTable
 from kvtool.inspect.target import Target, open_reader
+
+# A lookup's threshold for going on from a block boundary through pointer records (the connector's default).
+EXTEND_MIN_TOKENS: int = KVToolConfig.model_fields["extend_min_tokens"].default
 
 NEVER_STORED = "never stored"
 EVICTED = "evicted or expired"
@@ -197,6 +202,8 @@ class PromptInspection:
 def expected_header(keys: PromptKeys, kind: KeyKind, end_token: int) -> ObjectHeader:
     """The fields a reader derives from the key alone (the rest comes from its layout)."""
     start = ((end_token - 1) // keys.block_size) * keys.block_size
+    if kind is KeyKind.POINTER:
+        return ObjectHeader(b"", keys.pointer_ref(end_token).chain_hash, kind, "", 0, start, end_token, 0)
     chain = keys.block_chain[end_token // keys.block_size - 1] if kind is KeyKind.BLOCK else keys.tail_hash(end_token)
     return ObjectHeader(b"", chain, kind, "", 0, start, end_token, 0)
 
@@ -207,9 +214,10 @@ def candidate_boundaries(keys: PromptKeys) -> list[tuple[KeyKind, int, str]]:
     found = [(KeyKind.BLOCK, (i + 1) * keys.block_size, keys.block_key(i)) for i in range(keys.num_full_blocks)]
     for block_index in range(len(keys.tokens) // keys.block_size + 1):
         found += [(KeyKind.TAIL, b, keys.tail_key(b)) for b in keys.tail_candidates(block_index)]
-        if keys.grid:
+        if keys.grid:  # at the block's start (an object continuing this prefix) and inside it
             inside = tail_boundaries(block_index, keys.block_size, keys.grid, len(keys.tokens))
-            found += [(KeyKind.POINTER, b, keys.pointer_ref(b).key) for b in inside]
+            starts = (block_index * keys.block_size,) if keys.start_pointers else ()
+            found += [(KeyKind.POINTER, b, keys.pointer_ref(b).key) for b in (*starts, *inside)]
     order = {KeyKind.BLOCK: 0, KeyKind.TAIL: 1, KeyKind.POINTER: 2}
     return sorted(found, key=lambda item: (item[1], order[item[0]]))
 
@@ -223,9 +231,9 @@ def inspect_prompt(keys: PromptKeys, snapshot: StoreSnapshot, show_all: bool = F
 
     records = snapshot.pointer_records
     read = None if records is None else lambda asked: [records.get(key) for key in asked]
-    stored = find_stored_prefix(keys, exists, read)
+    stored = find_stored_prefix(keys, exists, read, EXTEND_MIN_TOKENS)
     plan = plan_load(keys, stored, local_tokens=0)
-    loadable_plan = plan_load(keys, find_stored_prefix(keys, loadable, read), local_tokens=0)
+    loadable_plan = plan_load(keys, find_stored_prefix(keys, loadable, read, EXTEND_MIN_TOKENS), local_tokens=0)
     hit_keys = {obj.key for obj in plan.objects}
     save_boundary = save_tail_boundary(len(keys.tokens), keys.block_size, keys.hash_unit)
 

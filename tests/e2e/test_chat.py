@@ -101,11 +101,14 @@ def leave_inside_an_object(both_pair: dict, common: int, length: int) -> None:
     through_pointer_stalls(attempt)
 
 
-def test_on_the_default_grid_a_divergence_point_is_found_rounded_down_to_it(pair):
-    """The session pair runs the auto grid (a quarter block: 8 tokens of 32)."""
+def test_on_the_default_configuration_a_divergence_point_is_found_exactly(pair):
+    """The session pair runs the auto grid (a quarter block: 8 tokens of 32) and extend_min_tokens 16:
+    a prompt leaving a stored one inside a block reuses their exact common prefix (the pointer records'
+    token ids); one leaving it 6 tokens past a block boundary, before the block's first grid point,
+    reuses the whole blocks only (a block to load for 6 tokens does not pay)."""
     assert pair["divergence_grid"] == 8
     warm_pointer_reads(pair)
-    for common, expected in ((56, 56), (53, 48), (78, 72)):
+    for common, expected in ((56, 56), (53, 53), (78, 78), (70, 64)):
 
         def attempt(number: int, common: int = common, expected: int = expected) -> HitDetails:
             seed = 90 + 1000 * number

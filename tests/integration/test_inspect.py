@@ -19,7 +19,8 @@ from connector.config import load_config
 from connector.hashing import RequestIdentity
 from connector.keys import KeyKind, Namespace, watermark_key
 from connector.objects import ObjectHeader, encode_object
-from connector.prefix import PromptKeys, find_stored_prefix, plan_load, plan_save
+from connector.prefix import PromptKeys, plan_load, plan_save
+from connector.search import find_stored_prefix
 from kvtool.ready import ReadyFile
 from connector.store import KVStore, PutOutcome, open_store
 from connector.watermarks import SEQ_FINAL, SEQ_PENDING, ObjectProgress, WatermarkRecord, watermark

@@ -11,7 +11,8 @@ from connector.data import BlockTransfer, KVToolMetadata, RequestSave
 from connector.hashing import RequestIdentity
 from connector.keys import KeyKind, Namespace, watermark_key
 from connector.objects import HEADER_SIZE
-from connector.prefix import PromptKeys, find_stored_prefix, plan_save
+from connector.prefix import PromptKeys, plan_save
+from connector.search import find_stored_prefix
 from connector.store import open_store
 from connector.watermarks import SaveState, WatermarkRecord
 from connector.worker import WorkerSide

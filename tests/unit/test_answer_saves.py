@@ -11,7 +11,8 @@ from connector.data import KVToolMetadata, answer_watermark_id
 from connector.groups import CacheGroup, GroupKind
 from connector.hashing import RequestIdentity
 from connector.keys import Namespace, decode_key, request_hash
-from connector.prefix import PromptKeys, find_stored_prefix
+from connector.prefix import PromptKeys
+from connector.search import find_stored_prefix
 from connector.scheduler import SchedulerSide
 from connector.worker import WorkerSide
 
@@ -156,7 +157,8 @@ def test_the_worker_reports_an_answer_save_sent_once_it_copied_it_or_could_not()
     worker.shutdown()
     objects = [decode_key(key) for key in store.objects]
     assert sorted(o.end_token for o in objects if o.kind.value in "bt") == [32, 64, 96, 104]
-    # With pointers at every 8 tokens inside each object (the auto grid: a quarter block).
+    # With pointers at every 8 tokens inside each object (the auto grid: a quarter block; no block-start
+    # pointers, since that grid's first point is within extend_min_tokens of a block's start).
     assert sorted(o.end_token for o in objects if o.kind.value == "p") == [8, 16, 24, 40, 48, 56, 72, 80, 88]
     # Its watermark records are its own, apart from the prompt save's of the same request.
     assert {o.request_hash for o in objects if o.request_hash} == {request_hash(answer_watermark_id("r1"))}

@@ -13,8 +13,9 @@ from connector.groups import CacheGroup, GroupKind
 from connector.hashing import RequestIdentity
 from connector.keys import KeyKind
 from connector.objects import PointerRecord, encode_pointer
-from connector.prefix import PromptKeys, find_stored_prefix, plan_load, plan_save
-from connector.objects import POINTER_SIZE
+from connector.prefix import PromptKeys, plan_load, plan_save
+from connector.search import find_stored_prefix
+from connector.objects import pointer_size
 from connector.saveplans import save_transfer
 from connector.store import PutOutcome
 
@@ -103,7 +104,7 @@ def save_with_pointers(store, caches, tokens, blocks, grid=1):
 
 def resolved_lookup(store, tokens, grid=1):
     keys = keys_for(tokens, grid)
-    stored = find_stored_prefix(keys, store.exists, lambda asked: store.get(asked, POINTER_SIZE))
+    stored = find_stored_prefix(keys, store.exists, lambda asked: store.get(asked, pointer_size(BLOCK)))
     return stored, plan_load(keys, stored, 0)
 
 
@@ -153,19 +154,28 @@ def forged(record: PointerRecord, **changes) -> bytes:
         {"target_end": 97},  # past its block
         {"target_kind": KeyKind.BLOCK},  # a block that does not end at the block's end
         {"target_hash": b"\1" * 16},  # names an object that is not stored
+        {"token_ids": ()},  # token ids that do not cover the object from the boundary on
+        "bit-flip",  # a stored record spoiled after its checksum was taken
     ],
-    ids=["namespace", "prefix-hash", "before", "past-block", "kind", "not-stored"],
+    ids=["namespace", "prefix-hash", "before", "past-block", "kind", "not-stored", "ids", "bit-flip"],
 )
 def test_a_bad_pointer_is_no_hit_and_the_lookup_falls_back(change):
     store = ScriptedStore()
     save_with_pointers(store, kv_caches("random"), STORED, (3, 5, 1), grid=8)
-    keys = keys_for(STORED, grid=8)
-    pointer, tail = keys.pointer_ref(72), keys.tail_ref(85)
-    good = PointerRecord(NS.fingerprint(), pointer.chain_hash, 0, 72, KeyKind.TAIL, 85, tail.chain_hash)
-    assert store.objects[pointer.key] == encode_pointer(good)
-    store.objects[pointer.key] = forged(good, **change)
+    keys, tail = keys_for(STORED, grid=8), keys_for(STORED).tail_ref(85)
+    for boundary in (72, 80):  # every pointer into the tail (no block-start pointers at this grid)
+        pointer = keys.pointer_ref(boundary)
+        good = PointerRecord(NS.fingerprint(), pointer.chain_hash, 0, boundary, KeyKind.TAIL, 85, tail.chain_hash,
+                             tuple(STORED[boundary:85]))  # fmt: skip
+        assert store.objects[pointer.key] == encode_pointer(good)
+        if change == "bit-flip":
+            spoiled = bytearray(encode_pointer(good))
+            spoiled[-8] ^= 1  # a token id
+            store.objects[pointer.key] = bytes(spoiled)
+        else:
+            store.objects[pointer.key] = forged(good, **change)
     stored, plan = resolved_lookup(store, diverging(75, 90), grid=8)
-    assert stored.hit_tokens == 64 and pointer.key not in stored.present
+    assert stored.hit_tokens == 64 and keys.pointer_ref(72).key not in stored.present
     assert all(o.kind is KeyKind.BLOCK for o in plan.objects)
 
 
@@ -216,7 +226,7 @@ def test_on_a_mamba_model_a_divergence_point_is_a_hit_only_where_a_state_is_stor
 
 def test_a_failed_pointer_read_costs_only_the_pointer_hits_of_its_batch():
     from connector.calls import StoreError
-    from connector.prefix import find_stored_prefixes
+    from connector.search import find_stored_prefixes
 
     store = ScriptedStore()
     save_with_pointers(store, kv_caches("random"), STORED, (3, 5, 1), grid=8)
@@ -239,5 +249,5 @@ def test_a_new_save_replaces_a_pointer_whose_object_is_gone():
     other = STORED[:80] + [5] * 10  # shares the first 80 tokens: a tail ending at 90, a pointer at 72 too
     save_with_pointers(store, kv_caches("random"), other, (3, 5, 2), grid=8)
     stored, plan = resolved_lookup(store, diverging(75, 90), grid=8)
-    assert stored.hit_tokens == 72
+    assert stored.hit_tokens == 75  # the new pointers' token ids: the exact divergence point
     assert plan.objects[-1].key == keys_for(other).tail_key(90)

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from connector.groups import CacheGroup, GroupKind, describe_groups
 from connector.hashing import RequestIdentity
 from connector.keys import KeyKind, decode_key
-from connector.prefix import PromptKeys, find_stored_prefix, plan_load, plan_save
+from connector.prefix import PromptKeys, plan_load, plan_save
+from connector.search import find_stored_prefix
 from connector.watermarks import ObjectProgress, watermark
 
 B = 32

@@ -6,7 +6,8 @@ from connector.hashing import RequestIdentity
 from connector.objects import PointerRecord, encode_pointer
 from connector.keys import KeyKind, Namespace
 from connector.objects import ObjectHeader, encode_object
-from connector.prefix import PromptKeys, find_stored_prefix, plan_load, plan_save
+from connector.prefix import PromptKeys, plan_load, plan_save
+from connector.search import find_stored_prefix
 from kvtool.errors import UserError
 from kvtool.inspect.prompt import (
     EVICTED,
@@ -167,15 +168,15 @@ def test_a_prompt_leaving_a_stored_one_shows_the_pointer_it_hits_through():
     rows = by_end(result)
     assert rows[("pointer", 72)].stored and rows[("pointer", 72)].in_hit
     assert ("pointer", 80) not in rows  # not stored, not listed (its prefix differs)
-    # Read, the pointer names the stored tail: the same hit. With the tail evicted: the block boundary.
+    # Read, the pointer names the stored tail and carries its token ids from 72: the hit goes on to the
+    # exact divergence point. With the tail evicted: the block boundary.
     pointer, tail = stored.pointer_ref(72), stored.tail_ref(85)
     record = encode_pointer(
-        PointerRecord(NS.fingerprint(), pointer.chain_hash, 0, 72, KeyKind.TAIL, 85, tail.chain_hash)
-    )
-    assert (
-        inspect_prompt(diverging, StoreSnapshot(frozenset(present), pointer_records={pointer.key: record})).hit_tokens
-        == 72
-    )
+        PointerRecord(NS.fingerprint(), pointer.chain_hash, 0, 72, KeyKind.TAIL, 85, tail.chain_hash,
+                      tuple(TOKENS[72:85]))
+    )  # fmt: skip
+    read = inspect_prompt(diverging, StoreSnapshot(frozenset(present), pointer_records={pointer.key: record}))
+    assert (read.hit_tokens, read.block_hit_tokens, read.tail_hit_tokens) == (74, 64, 10)
     evicted = StoreSnapshot(frozenset(present - {tail.key}), pointer_records={pointer.key: record})
     assert inspect_prompt(diverging, evicted).hit_tokens == 64
 

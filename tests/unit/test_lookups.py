@@ -7,7 +7,8 @@ import threading
 from connector.calls import BoundedCalls, StoreError
 from connector.hashing import RequestIdentity
 from connector.lookups import LookupBatcher
-from connector.prefix import PromptKeys, find_stored_prefix, plan_save
+from connector.prefix import PromptKeys, plan_save
+from connector.search import find_stored_prefix
 
 from .scripted_store import InlineCalls, ScriptedStore
 

@@ -5,7 +5,8 @@ from hypothesis import strategies as st
 
 from connector.hashing import RequestIdentity
 from connector.keys import KeyKind
-from connector.prefix import PromptKeys, find_stored_prefix, plan_load, plan_save
+from connector.prefix import PromptKeys, plan_load, plan_save
+from connector.search import find_stored_prefix
 
 B = 32
 ROOT = RequestIdentity().root_hash()

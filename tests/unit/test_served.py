@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from connector.groups import CacheGroup, GroupKind
 from connector.hashing import RequestIdentity
-from connector.prefix import PromptKeys, find_stored_prefix, plan_save
+from connector.prefix import PromptKeys, plan_save
+from connector.search import find_stored_prefix
 from connector.served import ServedIndex
 
 B = 8

@@ -1,0 +1,280 @@
+"""Finding the longest stored prefix of prompts, to the token. Pure logic.
+
+The store is consulted through an ``exists`` callable (and a ``read`` callable for pointer records), so
+the rules here are tested without one. ``connector.prefix`` says which keys a prompt has and what each
+cache group needs for a hit; this module asks which are stored, settles the pointers a hit relies on,
+and extends the hit through the token ids pointer records carry, to the exact point where the prompt
+leaves a stored one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from .calls import StoreError
+from .groups import GroupKind
+from .keys import KeyKind, decode_key, object_key
+from .objects import ObjectRejected, PointerRecord, verify_pointer
+from .prefix import ObjectRef, PromptKeys
+from .served import ServedIndex
+
+ExistsFn = Callable[[list[str]], list[bool]]
+ReadFn = Callable[[list[str]], list["bytes | None"]]  # small objects (pointer records) by key
+POINTER_ROUNDS = 2  # at most this many (read, exists) rounds settle a lookup's pointers
+
+
+@dataclass(frozen=True)
+class StoredPrefix:
+    """The longest prefix of a prompt whose KV is in the store, for every group."""
+
+    block_size: int
+    tokens: int  # the longest stored prefix, the whole prompt included
+    hit_tokens: int  # the longest stored prefix a load can claim: at least one prompt token is computed
+    present: frozenset[str] = frozenset()  # every key the lookup found stored
+    queries: int = 1  # round trips it took
+    # Pointer key -> the object it names, read and found stored by the lookup: a load reads that object.
+    targets: dict[str, ObjectRef] = field(default_factory=dict)
+    # A pointer read failed (the store, not the record): hits that relied on it were dropped.
+    pointer_read_failed: bool = False
+    # The hit was extended past the ends its keys name by pointer records' token ids (the exact point
+    # where the prompt leaves a stored one): group -> the object holding the hit's last token.
+    extended: dict[int, ObjectRef] = field(default_factory=dict)
+
+    @property
+    def full_blocks(self) -> int:
+        return self.tokens // self.block_size
+
+    @property
+    def tail_boundary(self) -> int | None:
+        return self.tokens if self.tokens % self.block_size else None
+
+    @property
+    def block_tokens(self) -> int:
+        return self.full_blocks * self.block_size
+
+
+def find_stored_prefix(
+    keys: PromptKeys, exists: ExistsFn, read: ReadFn | None = None, extend_min_tokens: int = 1
+) -> StoredPrefix:
+    """Longest stored prefix of one prompt (see ``find_stored_prefixes``)."""
+    return find_stored_prefixes([keys], exists, read, extend_min_tokens)[0]
+
+
+def _ask(exists: ExistsFn, refs_per_prompt: list[list[ObjectRef]]) -> list[frozenset[str]]:
+    """One existence query for every prompt's refs; the keys found, per prompt."""
+    query = sorted({ref.key for refs in refs_per_prompt for ref in refs})
+    if not query:
+        return [frozenset() for _ in refs_per_prompt]
+    found = {key for key, present in zip(query, exists(query), strict=True) if present}
+    return [frozenset(ref.key for ref in refs if ref.key in found) for refs in refs_per_prompt]
+
+
+def _first_round_ends(keys: PromptKeys) -> list[int]:
+    """Candidate ends asked about first: every block boundary and the tail boundaries of the
+    prompt's last block."""
+    ends = {(i + 1) * keys.block_size for i in range(keys.num_full_blocks)}
+    ends.update(keys.inner_candidates(len(keys.tokens) // keys.block_size))
+    return sorted(ends)
+
+
+def _chain_blocks(keys: PromptKeys, ends: Sequence[int], present: frozenset[str]) -> int:
+    """How many leading blocks are stored: where a stored shorter prompt may end, inside the next one.
+
+    Counted on the full-attention groups, which keep every block (a state group holds states at a
+    few boundaries only, a sliding window only its window); without one, at the longest block
+    boundary every group serves."""
+    full = [group.index for group in keys.groups if group.kind is GroupKind.FULL]
+    if not full:
+        index = ServedIndex(keys, present)
+        aligned = [end for end in ends if end % keys.block_size == 0 and index.serves(end)]
+        return max(aligned, default=0) // keys.block_size
+    count = 0
+    while count < keys.num_full_blocks and all(keys.block_key(count, group) in present for group in full):
+        count += 1
+    return count
+
+
+def find_stored_prefixes(
+    prompts: Sequence[PromptKeys], exists: ExistsFn, read: ReadFn | None = None, extend_min_tokens: int = 1
+) -> list[StoredPrefix]:
+    """Longest stored prefix of each prompt, to the token, in at most two queries and two pointer rounds.
+
+    The first query asks, for every prompt and group, for every full-block key, the tail (or state)
+    candidates of the prompt's last block, and the state one token short of the prompt, which
+    answers the common cases (a repeated prompt; every block stored) in one round trip. Where the
+    stored block boundaries stop earlier, at block k, a second query (one for all such prompts) asks
+    for the candidates inside block k: that is where a stored shorter prompt (a sub-block prompt,
+    the previous chat turn) ends. With ``read``, the pointers a hit relies on or may extend it are read
+    (``_settle_pointers``) and the hit goes on to the exact common prefix (``_extend``; from a block
+    boundary, only by ``extend_min_tokens`` or more: the config's ``extend_min_tokens``).
+    """
+    first_ends = [_first_round_ends(keys) for keys in prompts]
+    present = _ask(exists, [
+        keys.probe_refs(ends, blocks=True, start_of=len(keys.tokens) // keys.block_size)
+        for keys, ends in zip(prompts, first_ends, strict=True)
+    ])  # fmt: skip
+
+    inner_ends: list[list[int]] = []
+    inner_blocks: list[int | None] = []
+    for keys, ends, found in zip(prompts, first_ends, present, strict=True):
+        length = len(keys.tokens)
+        block = _chain_blocks(keys, ends, found)
+        last = block == length // keys.block_size
+        inner_ends.append([] if last else keys.inner_candidates(block))
+        inner_blocks.append(None if last else block)
+    second_refs = [
+        keys.probe_refs(ends, blocks=False, start_of=block)
+        for keys, ends, block in zip(prompts, inner_ends, inner_blocks, strict=True)
+    ]
+    asked_twice = any(second_refs)
+    more = _ask(exists, second_refs) if asked_twice else [frozenset() for _ in prompts]
+
+    candidates = [
+        sorted({*ends, *inner, len(keys.tokens), len(keys.tokens) - 1})
+        for keys, ends, inner in zip(prompts, first_ends, inner_ends, strict=True)
+    ]
+    known = [found | found_inner for found, found_inner in zip(present, more, strict=True)]
+    settled = [_Settled() for _ in prompts]
+    rounds = _settle_pointers(prompts, candidates, known, settled, exists, read) if read is not None else 0
+    results = []
+    for keys, ends, found, pointers, inner in zip(prompts, candidates, known, settled, inner_ends, strict=True):
+        tokens, hit = _longest(keys, ends, found)
+        extended: dict[int, ObjectRef] = {}
+        if read is not None and not pointers.unread:
+            tokens, hit, extended = _extend(keys, (tokens, hit), found, pointers, extend_min_tokens)
+        queries = (2 if inner else 1) + 2 * rounds
+        results.append(StoredPrefix(
+            keys.block_size, tokens, hit, found, queries, pointers.targets, pointers.unread, extended
+        ))  # fmt: skip
+    return results
+
+
+def _longest(keys: PromptKeys, ends: Sequence[int], known: frozenset[str]) -> tuple[int, int]:
+    """The longest stored prefix, and the longest one a load can claim (one token short of the prompt)."""
+    return ServedIndex(keys, known).longest(ends)
+
+
+@dataclass
+class _Settled:
+    """One prompt's pointers read so far."""
+
+    targets: dict[str, ObjectRef] = field(default_factory=dict)  # pointer key -> the stored object it names
+    reach: dict[str, int] = field(default_factory=dict)  # pointer key -> where its token ids leave the prompt
+    unread: bool = False  # a read failed: the store, not the record
+
+
+def _wanted(keys: PromptKeys, found: tuple[int, int], known: frozenset[str], settled: _Settled) -> list[ObjectRef]:
+    """The pointers not read yet that a hit relies on, or that may extend it (``found``: the longest
+    stored prefix and hit, ``_longest``'s)."""
+    tokens, hit = found
+    wanted: dict[str, ObjectRef] = {}
+    for group in keys.groups if hit else ():
+        for ref in keys.objects_for(group, hit, known) or ():
+            if ref.kind is KeyKind.POINTER:
+                wanted[ref.key] = ref
+    if tokens < len(keys.tokens) and not keys.has_state_group:
+        for group in keys.groups:
+            wanted.update((ref.key, ref) for ref in keys.extension_refs(hit, group.index) if ref.key in known)
+    return [ref for key, ref in wanted.items() if key not in settled.targets]
+
+
+def _settle_pointers(
+    prompts: Sequence[PromptKeys],
+    candidates: list[list[int]],
+    known: list[frozenset[str]],
+    settled: list[_Settled],
+    exists: ExistsFn,
+    read: ReadFn,
+) -> int:
+    """Read the pointers each prompt's hit relies on or may be extended by, and check that the objects
+    they name are stored; a pointer that is unreadable, bad, or names a missing object (evicted:
+    pointers are small and may outlive it) is dropped, and the hit falls back to what else is stored.
+    Returns the rounds taken. Updates ``known`` (drops bad pointers) and ``settled`` in place."""
+    for rounds in range(1, POINTER_ROUNDS + 1):
+        asked: list[tuple[int, ObjectRef]] = []
+        for index, (keys, ends) in enumerate(zip(prompts, candidates, strict=True)):
+            longest = _longest(keys, ends, known[index])
+            asked += [(index, ref) for ref in _wanted(keys, longest, known[index], settled[index])]
+        if not asked:
+            return rounds - 1
+        try:
+            records = read([ref.key for _, ref in asked])
+            named = [
+                _named(prompts[index], ref, record) if record else None
+                for (index, ref), record in zip(asked, records, strict=True)
+            ]
+            stored = iter(exists([found[0].key for found in named if found is not None]))
+        except StoreError:
+            for index, _ in asked:
+                settled[index].unread = True
+            break  # a pointer read or check failed: no hit relies on a pointer not settled (below)
+        for (index, ref), found in zip(asked, named, strict=True):
+            if found is not None and next(stored):
+                settled[index].targets[ref.key], settled[index].reach[ref.key] = found
+            else:
+                known[index] = known[index] - {ref.key}
+    # Unsettled after the last round, or a failed read: no hit relies on a pointer not settled.
+    for index in range(len(prompts)):
+        known[index] = frozenset(key for key in known[index] if key in settled[index].targets or not _is_pointer(key))
+    return rounds
+
+
+def _extend(
+    keys: PromptKeys, found: tuple[int, int], known: frozenset[str], settled: _Settled, min_tokens: int
+) -> tuple[int, int, dict[int, ObjectRef]]:
+    """The hit extended to the exact common prefix with stored objects: per attention group, the object
+    that reaches furthest along the prompt from the hit (the prompt's own tail or block there, what the
+    pointer the hit relies on names, or what the pointer at the block's start names when the hit ends at
+    a block boundary, as far as their token ids match the prompt's); the hit is where the group that
+    reaches least stops. From a block boundary (a block more to load) it must gain ``min_tokens``.
+    Returns (tokens, hit, group -> object) unchanged when nothing reaches further (``found``: the
+    longest stored prefix and hit, ``_longest``'s)."""
+    tokens, hit = found
+    length = len(keys.tokens)
+    if tokens == length or keys.has_state_group or not keys.grid:
+        return tokens, hit, {}
+    reached: dict[int, tuple[int, ObjectRef | None]] = {}
+    for group in keys.groups:
+        best: tuple[int, ObjectRef | None] = (hit, None)
+        own = keys.objects_for(group, hit, known) if hit % keys.block_size else None
+        if own:  # the object holding token hit - 1 is in the same block: it may go on
+            last = own[-1]
+            reach = settled.reach[last.key] if last.kind is KeyKind.POINTER else last.token_end
+            best = (reach, settled.targets.get(last.key, last))
+        for ref in keys.extension_refs(hit, group.index):
+            if ref.key in settled.reach and settled.reach[ref.key] > best[0]:
+                best = (settled.reach[ref.key], settled.targets[ref.key])
+        reached[group.index] = best
+    end = min(reach for reach, _ in reached.values())
+    if min(end, length - 1) - hit < (1 if hit % keys.block_size else min_tokens):
+        return tokens, hit, {}
+    return end, min(end, length - 1), {group: target for group, (_, target) in reached.items() if target}
+
+
+def _is_pointer(key: str) -> bool:
+    decoded = decode_key(key)
+    return decoded is not None and decoded.kind is KeyKind.POINTER
+
+
+def _named(keys: PromptKeys, pointer: ObjectRef, record: bytes) -> tuple[ObjectRef, int] | None:
+    """The object a stored pointer record names and how far its token ids go along the prompt."""
+    named = _verified(keys, pointer, record)
+    if named is None:
+        return None
+    start, ids = pointer.token_end, named.token_ids
+    common = 0
+    while common < len(ids) and start + common < len(keys.tokens) and ids[common] == keys.tokens[start + common]:
+        common += 1
+    key = object_key(keys.namespace, pointer.group, named.target_kind, named.target_end, named.target_hash)
+    target = ObjectRef(key, pointer.group, named.target_kind, pointer.block_index, pointer.token_start,
+                       named.target_end, named.target_hash)  # fmt: skip
+    return target, start + common
+
+
+def _verified(keys: PromptKeys, pointer: ObjectRef, record: bytes) -> PointerRecord | None:
+    try:
+        return verify_pointer(record, keys.namespace, pointer.chain_hash, pointer.group, pointer.token_end,
+                              keys.block_size)  # fmt: skip
+    except ObjectRejected:
+        return None
