@@ -46,17 +46,17 @@ class KVToolConfig(BaseModel):
     hash_unit: int = Field(default=1, gt=0, description="tail boundary grid, tokens")
     divergence_grid: int | Literal["auto"] = Field(
         default="auto",
-        description="pointer grid inside stored objects, tokens: pointers at a block's start and at the grid's "
-        "multiples inside it carry the object's token ids, so a prompt that leaves a stored one finds their "
-        "exact common prefix; a finer grid tells more stored prompts apart; 0 turns pointers off; auto: "
-        "see divergence_grid()",
+        description="pointer grid inside stored objects, tokens: pointers at the grid's multiples inside them "
+        "carry the object's token ids, so a prompt that leaves a stored one past a grid point finds their exact "
+        "common prefix; a finer grid tells more stored prompts apart; 0 turns pointers off; auto: see "
+        "divergence_grid()",
     )
     extend_min_tokens: int = Field(
         default=16,
         ge=1,
-        description="a hit that ends at a block boundary goes on into the next block through a pointer's token "
-        "ids only when that reuses at least this many more tokens (loading a block to save a few tokens of "
-        "prefill costs more than it saves); inside a block, where the hit's object is loaded anyway, always",
+        description="where the grid is wider than this, saves also put a lead pointer at each object's first "
+        "token, and a hit through it is taken only when it reuses at least this many tokens of that block "
+        "(loading a block to save a few tokens of prefill costs more than it saves)",
     )
     model_id: str | None = Field(default=None, description="model identity in the namespace; default: served model")
     weights_digest: str = Field(default="", description="optional weights digest folded into the namespace")
@@ -108,10 +108,10 @@ class KVToolConfig(BaseModel):
         return value
 
 
-def start_pointers(config: KVToolConfig, block_size: int) -> bool:
-    """Whether saves put a pointer at each object's block start too: where the grid's first point inside a
-    block lies further than ``extend_min_tokens``, so that a prompt leaving a stored one between the two
-    still reuses the exact common prefix (a gain past that point finds its pointer instead)."""
+def lead_pointers(config: KVToolConfig, block_size: int) -> bool:
+    """Whether saves put a lead pointer at each object's first token too: where the grid's first point
+    inside a block lies further than ``extend_min_tokens``, so that a prompt leaving a stored one between
+    the two still reuses the exact common prefix (past that point it finds the grid's pointer)."""
     return divergence_grid(config, block_size) > config.extend_min_tokens
 
 

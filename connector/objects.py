@@ -169,12 +169,12 @@ def verify_object(data: bytes | memoryview, expected: ObjectHeader) -> memoryvie
 
 # -- pointers ----------------------------------------------------------------------------------------
 #
-# A pointer names the stored object that holds the KV of a prefix ending inside it (a divergence point),
-# or continuing it from its block's start: its key has the prefix's hash, its value says which object of
-# the same group to load, and carries that object's token ids from the pointer's boundary to the
-# object's end. A lookup compares them with the prompt's and claims the exact common prefix: the chain
-# hash in the key binds everything else that makes KV differ (the root: salt, adapter, multimodal
-# inputs, embeddings), so past the boundary only the token ids can.
+# A pointer names the stored object that holds the KV of a prefix ending inside it (a divergence point):
+# its key has the prefix's hash, its value says which object of the same group to load, and carries that
+# object's token ids from the pointer's boundary to the object's end. A lookup compares them with the
+# prompt's and claims the exact common prefix: the chain hash in the key binds everything else that
+# makes KV differ (the root: salt, adapter, multimodal inputs, embeddings), so past the boundary only
+# the token ids can.
 #
 #   magic "KVP1" | format u16 | namespace fingerprint 16B | chain hash 16B (the pointer's) | group u8 |
 #   boundary u32 | target kind u8 | target token_end u32 | target chain hash 16B |
@@ -186,7 +186,7 @@ _CRC = struct.Struct("<I")
 
 
 def pointer_size(block_size: int) -> int:
-    """The most bytes a pointer record takes: one that names a block from its start."""
+    """The most bytes a pointer record takes (a bound: a pointer stands strictly inside its object)."""
     return _POINTER.size + 4 * block_size + _CRC.size
 
 

@@ -51,10 +51,10 @@ class PromptKeys:
     # Divergence grid: stored block and tail objects are pointed to at its multiples inside them, so a
     # prompt that leaves a stored one there finds the common prefix (0: no pointers).
     grid: int = 0
-    # Pointers at each stored object's block start too: a hit ending at a block boundary goes on through
-    # their token ids (worth it only where the grid's first point inside a block is further than a
-    # lookup's ``extend_min_tokens``: a gain past that point finds that point's pointer instead).
-    start_pointers: bool = False
+    # A pointer at each stored object's first token too (its block start + 1): a prompt that leaves a
+    # stored one before the grid's first point in a block still finds it, and goes on through the token
+    # ids (used where that point lies further than a lookup's ``extend_min_tokens`` from the start).
+    lead_pointers: bool = False
     # Tail hashes already computed: a lookup asks for the same ones in every group and candidate.
     _tails: dict[int, bytes] = field(default_factory=dict, compare=False, repr=False)
     # Inner candidate ends per block, likewise asked for again and again.
@@ -70,7 +70,7 @@ class PromptKeys:
         root: bytes,
         groups: tuple[CacheGroup, ...] | None = None,
         grid: int = 0,
-        start_pointers: bool = False,
+        lead_pointers: bool = False,
     ) -> PromptKeys:
         groups = groups or single_group(block_size)
         if any(group.block_size != block_size for group in groups):
@@ -78,7 +78,7 @@ class PromptKeys:
         tokens = tuple(tokens)
         check_token_ids(tokens)
         chain = tuple(block_hashes(tokens, block_size, root))
-        return cls(tokens, block_size, hash_unit, namespace, root, chain, groups, grid, start_pointers and grid > 0)
+        return cls(tokens, block_size, hash_unit, namespace, root, chain, groups, grid, lead_pointers and grid > 0)
 
     @property
     def num_full_blocks(self) -> int:
@@ -113,33 +113,35 @@ class PromptKeys:
                          index * self.block_size, boundary, digest)  # fmt: skip
 
     def pointer_ref(self, boundary: int, group: int = 0) -> ObjectRef:
-        """The pointer at ``boundary``: inside a block it has a tail's hash, and names a stored object of
-        ``group`` that holds this prefix's KV and more; at a block's start (0 included) it has the chain
-        hash there, and names an object of that block that continues this prefix."""
+        """The pointer at ``boundary`` (inside a block): it has a tail's hash, and names a stored object
+        of ``group`` that holds this prefix's KV and more."""
         index = boundary // self.block_size
-        digest = self.tail_hash(boundary) if boundary % self.block_size else self.parent_of_block(index)
+        digest = self.tail_hash(boundary)
         return ObjectRef(object_key(self.namespace, group, KeyKind.POINTER, boundary, digest), group,
                          KeyKind.POINTER, index, index * self.block_size, boundary, digest)  # fmt: skip
 
     def pointers_inside(self, ref: ObjectRef) -> list[ObjectRef]:
         """The pointers a save writes for one of its block or tail objects: at every grid multiple
-        strictly inside the tokens it holds, and at its block's start (``start_pointers``). Each record
+        strictly inside the tokens it holds, and at its first token (``lead_pointers``). Each record
         carries the object's token ids from its boundary on, so a prompt sharing part of them finds the
         exact common prefix."""
         if not self.grid or ref.kind not in (KeyKind.BLOCK, KeyKind.TAIL):
             return []
-        inside = tail_boundaries(ref.block_index, self.block_size, self.grid, ref.token_end - 1)
-        starts = (ref.token_start,) if self.start_pointers else ()
-        return [self.pointer_ref(boundary, ref.group) for boundary in (*starts, *inside)]
+        ends = self.pointer_ends(ref.block_index, ref.token_end - 1)
+        return [self.pointer_ref(boundary, ref.group) for boundary in ends]
 
-    def extension_refs(self, hit: int, group: int) -> list[ObjectRef]:
-        """The pointer whose record may extend a hit of ``hit`` tokens that ends at a block boundary into
-        the next block: at that block's start. (A hit inside a block extends through the pointer it
-        relies on, already read; one ending at the prompt's own tail could gain less than the grid's
-        step, not worth a read.)"""
-        if not self.start_pointers or hit % self.block_size or hit >= len(self.tokens) - 1:
-            return []
-        return [self.pointer_ref(hit, group)]
+    def pointer_ends(self, block_index: int, limit: int) -> list[int]:
+        """Where pointers stand in block ``block_index``, up to ``limit``: the grid's multiples inside
+        it, and its first token with ``lead_pointers``."""
+        ends = tail_boundaries(block_index, self.block_size, self.grid, limit)
+        lead = block_index * self.block_size + 1
+        if self.lead_pointers and lead <= limit and (not ends or ends[0] != lead):
+            ends.insert(0, lead)
+        return ends
+
+    def is_lead(self, end: int) -> bool:
+        """A lead pointer's end (a block's first token), not one of the grid's."""
+        return self.lead_pointers and end % self.block_size == 1 and end % self.grid != 0
 
     def state_ref(self, end: int, group: int) -> ObjectRef:
         """The state after ``end`` tokens: it lives in the block holding token ``end - 1``."""
@@ -163,24 +165,23 @@ class PromptKeys:
         if ends is None:
             found = set(self.tail_candidates(block_index))
             if self.grid:
-                found.update(tail_boundaries(block_index, self.block_size, self.grid, len(self.tokens)))
+                found.update(self.pointer_ends(block_index, len(self.tokens)))
             ends = self._inner[block_index] = sorted(found)
         return ends
 
     def _inner_refs(self, end: int, group: int) -> list[ObjectRef]:
         """What may hold a prefix ending at ``end`` inside a block: its tail, its pointer."""
         refs = [self.tail_ref(end, group)] if end % self.hash_unit == 0 else []
-        if self.grid and end % self.grid == 0:
+        if self.grid and (end % self.grid == 0 or self.is_lead(end)):
             refs.append(self.pointer_ref(end, group))
         return refs
 
     # -- what a group needs ---------------------------------------------------------------------------
 
-    def probe_refs(self, ends: Sequence[int], blocks: bool, start_of: int | None = None) -> list[ObjectRef]:
+    def probe_refs(self, ends: Sequence[int], blocks: bool) -> list[ObjectRef]:
         """The objects a lookup asks about, in every group: the full blocks (when ``blocks``) and, at
-        each candidate end, a tail (attention groups) or a state (state groups; also one token short
-        of the prompt, the most a hit on the prompt itself can claim); and the pointer at the start of
-        block ``start_of``, which may extend a hit ending there (attention groups of a stateless model)."""
+        each candidate end, a tail or pointer (attention groups) or a state (state groups; also one
+        token short of the prompt, the most a hit on the prompt itself can claim)."""
         refs: list[ObjectRef] = []
         for group in self.groups:
             if group.kind is GroupKind.STATE:
@@ -190,9 +191,6 @@ class PromptKeys:
             if blocks:
                 refs += [self.block_ref(i, group.index) for i in range(self.num_full_blocks)]
             refs += [ref for end in ends if end % self.block_size for ref in self._inner_refs(end, group.index)]
-        if start_of is not None and self.start_pointers and not self.has_state_group:
-            start = start_of * self.block_size
-            refs += [self.pointer_ref(start, g.index) for g in self.groups if start < len(self.tokens) - 1]
         return refs
 
     @property

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from .config import KVToolConfig, divergence_grid, start_pointers
+from .config import KVToolConfig, divergence_grid, lead_pointers
 from .data import BlockTransfer, KVToolMetadata, RequestLoad, RequestSave, StoredObject
 from .groups import NULL_BLOCK_ID, CacheGroup, GroupKind
 from .keys import KeyKind, Namespace
@@ -57,7 +57,7 @@ class SchedulerSide:
         self._pending_saves: list[RequestSave] = []  # answer saves, sent with the next step's metadata
         self._holding: set[str] = set()  # finished requests whose blocks an answer save holds
         self._space = KeySpace(self._block_size, config.hash_unit, self._namespace, self._groups, self._grid,
-                               start_pointers(config, self._block_size))  # fmt: skip
+                               lead_pointers(config, self._block_size))  # fmt: skip
         self._tracked: dict[str, TrackedRequest] = {}
         self._pending_loads: list[RequestLoad] = []
         self._warned: set[str] = set()

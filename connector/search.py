@@ -110,23 +110,14 @@ def find_stored_prefixes(
     boundary, only by ``extend_min_tokens`` or more: the config's ``extend_min_tokens``).
     """
     first_ends = [_first_round_ends(keys) for keys in prompts]
-    present = _ask(exists, [
-        keys.probe_refs(ends, blocks=True, start_of=len(keys.tokens) // keys.block_size)
-        for keys, ends in zip(prompts, first_ends, strict=True)
-    ])  # fmt: skip
+    present = _ask(exists, [keys.probe_refs(ends, blocks=True) for keys, ends in zip(prompts, first_ends, strict=True)])
 
     inner_ends: list[list[int]] = []
-    inner_blocks: list[int | None] = []
     for keys, ends, found in zip(prompts, first_ends, present, strict=True):
         length = len(keys.tokens)
         block = _chain_blocks(keys, ends, found)
-        last = block == length // keys.block_size
-        inner_ends.append([] if last else keys.inner_candidates(block))
-        inner_blocks.append(None if last else block)
-    second_refs = [
-        keys.probe_refs(ends, blocks=False, start_of=block)
-        for keys, ends, block in zip(prompts, inner_ends, inner_blocks, strict=True)
-    ]
+        inner_ends.append([] if block == length // keys.block_size else keys.inner_candidates(block))
+    second_refs = [keys.probe_refs(ends, blocks=False) for keys, ends in zip(prompts, inner_ends, strict=True)]
     asked_twice = any(second_refs)
     more = _ask(exists, second_refs) if asked_twice else [frozenset() for _ in prompts]
 
@@ -164,19 +155,14 @@ class _Settled:
     unread: bool = False  # a read failed: the store, not the record
 
 
-def _wanted(keys: PromptKeys, found: tuple[int, int], known: frozenset[str], settled: _Settled) -> list[ObjectRef]:
-    """The pointers not read yet that a hit relies on, or that may extend it (``found``: the longest
-    stored prefix and hit, ``_longest``'s)."""
-    tokens, hit = found
+def _wanted(keys: PromptKeys, hit: int, known: frozenset[str], settled: _Settled) -> list[ObjectRef]:
+    """The pointers not read yet that a hit of ``hit`` tokens relies on (their token ids may extend it)."""
     wanted: dict[str, ObjectRef] = {}
     for group in keys.groups if hit else ():
         for ref in keys.objects_for(group, hit, known) or ():
-            if ref.kind is KeyKind.POINTER:
+            if ref.kind is KeyKind.POINTER and ref.key not in settled.targets:
                 wanted[ref.key] = ref
-    if tokens < len(keys.tokens) and not keys.has_state_group:
-        for group in keys.groups:
-            wanted.update((ref.key, ref) for ref in keys.extension_refs(hit, group.index) if ref.key in known)
-    return [ref for key, ref in wanted.items() if key not in settled.targets]
+    return list(wanted.values())
 
 
 def _settle_pointers(
@@ -194,8 +180,8 @@ def _settle_pointers(
     for rounds in range(1, POINTER_ROUNDS + 1):
         asked: list[tuple[int, ObjectRef]] = []
         for index, (keys, ends) in enumerate(zip(prompts, candidates, strict=True)):
-            longest = _longest(keys, ends, known[index])
-            asked += [(index, ref) for ref in _wanted(keys, longest, known[index], settled[index])]
+            hit = _longest(keys, ends, known[index])[1]
+            asked += [(index, ref) for ref in _wanted(keys, hit, known[index], settled[index])]
         if not asked:
             return rounds - 1
         try:
@@ -223,33 +209,35 @@ def _settle_pointers(
 def _extend(
     keys: PromptKeys, found: tuple[int, int], known: frozenset[str], settled: _Settled, min_tokens: int
 ) -> tuple[int, int, dict[int, ObjectRef]]:
-    """The hit extended to the exact common prefix with stored objects: per attention group, the object
-    that reaches furthest along the prompt from the hit (the prompt's own tail or block there, what the
-    pointer the hit relies on names, or what the pointer at the block's start names when the hit ends at
-    a block boundary, as far as their token ids match the prompt's); the hit is where the group that
-    reaches least stops. From a block boundary (a block more to load) it must gain ``min_tokens``.
-    Returns (tokens, hit, group -> object) unchanged when nothing reaches further (``found``: the
-    longest stored prefix and hit, ``_longest``'s)."""
+    """The hit extended to the exact common prefix with stored objects, for a hit that relies on a
+    pointer: per attention group, how far the object holding the hit's last token goes along the prompt
+    (the prompt's own tail or block there; what a pointer names, as far as its token ids match the
+    prompt's); the hit is where the group that reaches least stops. A hit through a lead pointer (a
+    block's first token: a block more to load) must reach ``min_tokens`` past the block's start, else
+    it falls back to that start. Returns (tokens, hit, group -> object); ``found``: the longest stored
+    prefix and hit, ``_longest``'s."""
     tokens, hit = found
     length = len(keys.tokens)
-    if tokens == length or keys.has_state_group or not keys.grid:
+    if tokens == length or keys.has_state_group or not keys.grid or not hit % keys.block_size:
         return tokens, hit, {}
-    reached: dict[int, tuple[int, ObjectRef | None]] = {}
+    reached: dict[int, tuple[int, ObjectRef]] = {}
+    lead = False
     for group in keys.groups:
-        best: tuple[int, ObjectRef | None] = (hit, None)
-        own = keys.objects_for(group, hit, known) if hit % keys.block_size else None
-        if own:  # the object holding token hit - 1 is in the same block: it may go on
-            last = own[-1]
-            reach = settled.reach[last.key] if last.kind is KeyKind.POINTER else last.token_end
-            best = (reach, settled.targets.get(last.key, last))
-        for ref in keys.extension_refs(hit, group.index):
-            if ref.key in settled.reach and settled.reach[ref.key] > best[0]:
-                best = (settled.reach[ref.key], settled.targets[ref.key])
-        reached[group.index] = best
+        last = (keys.objects_for(group, hit, known) or [None])[-1]
+        if last is None:
+            return tokens, hit, {}
+        if last.kind is KeyKind.POINTER:
+            lead = lead or keys.is_lead(last.token_end)
+            reached[group.index] = (settled.reach[last.key], settled.targets[last.key])
+        else:
+            reached[group.index] = (last.token_end, last)
     end = min(reach for reach, _ in reached.values())
-    if min(end, length - 1) - hit < (1 if hit % keys.block_size else min_tokens):
+    start = hit - hit % keys.block_size
+    if lead and min(end, length - 1) - start < min_tokens:
+        return start, start, {}
+    if min(end, length - 1) <= hit:
         return tokens, hit, {}
-    return end, min(end, length - 1), {group: target for group, (_, target) in reached.items() if target}
+    return end, min(end, length - 1), {group: target for group, (_, target) in reached.items()}
 
 
 def _is_pointer(key: str) -> bool:

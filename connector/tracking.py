@@ -42,11 +42,11 @@ class KeySpace:
     namespace: str
     groups: tuple[CacheGroup, ...]
     grid: int
-    start_pointers: bool = False  # config.start_pointers
+    lead_pointers: bool = False  # config.lead_pointers
 
     def keys(self, tokens: list[int] | tuple[int, ...], root: bytes) -> PromptKeys:
         return PromptKeys.build(tokens, self.block_size, self.hash_unit, self.namespace, root, self.groups, self.grid,
-                                self.start_pointers)  # fmt: skip
+                                self.lead_pointers)  # fmt: skip
 
 
 def request_keys(request: Request, space: KeySpace) -> tuple[PromptKeys, str | None]:

@@ -388,10 +388,11 @@ def block_objects(log_dir: Path) -> dict[str, Any]:
 # ---------------------------------------------------------------- the derived table
 
 
-def pointers_per_block(block: int, grid: int) -> int:
-    """A pointer at the block's start and at each multiple of the grid strictly inside it (a block starts
-    at a multiple of the grid or of B); none without a grid (0)."""
-    return 1 + (block - 1) // grid if grid else 0
+def pointers_per_block(block: int, grid: int, lead: bool = False) -> int:
+    """A pointer at each multiple of the grid strictly inside a block (a block starts at a multiple of the
+    grid or of B), and at its first token with ``lead`` (off the grid: lead pointers exist where the grid
+    exceeds extend_min_tokens); none without a grid (0)."""
+    return int(lead) + (block - 1) // grid if grid else 0
 
 
 def batch_sizes(asked: Sequence[int]) -> list[int]:
@@ -446,6 +447,7 @@ WARMUP_SAVES = 5
 LOOKUPS = {32: 200, 256: 30}
 WARMUP_LOOKUPS = 5
 DIVERGE_AT = 4 * 8 + 5  # case (b): prompts leave a stored one 5/8 into its block 4 (in eighths of a block)
+SHORT_SHARED = 3  # case "short": prompts share a stored one's first 3/16 block (a short system prompt)
 ROOT = RequestIdentity().root_hash()
 DEFAULTS = KVToolConfig(master_server_address="127.0.0.1:1")  # the connector's default settings
 STORED_TOKENS = (1, 50_000)  # stored prompts draw from here, new tokens from above: they always differ
@@ -477,12 +479,21 @@ class Setting:
     def prompt_tokens(self) -> int:
         return SAVED_BLOCKS * self.block + self.block // 2
 
+    @property
+    def lead(self) -> bool:
+        """Whether saves put lead pointers too, at each object's first token (the connector's rule: a grid
+        wider than ``extend_min_tokens``)."""
+        return self.grid > DEFAULTS.extend_min_tokens
+
     def keys(self, tokens: Sequence[int]) -> PromptKeys:
-        return PromptKeys.build(tokens, self.block, 1, self.namespace.key_component(), ROOT, grid=self.grid)
+        namespace = self.namespace.key_component()
+        return PromptKeys.build(tokens, self.block, 1, namespace, ROOT, grid=self.grid, lead_pointers=self.lead)
 
     def pointers_per_save(self) -> int:
         tail = self.prompt_tokens % self.block
-        return SAVED_BLOCKS * pointers_per_block(self.block, self.grid) + pointers_per_block(tail, self.grid)
+        return SAVED_BLOCKS * pointers_per_block(self.block, self.grid, self.lead) + pointers_per_block(
+            tail, self.grid, self.lead
+        )
 
     def keys_per_save(self) -> int:
         """Objects (blocks and tail), their pointers, and the save's two watermark records."""
@@ -601,13 +612,17 @@ def save_summary(setting: Setting, spent: Sequence[Counter[str]]) -> dict[str, A
 
 def lookup_prompts(setting: Setting, tokens: Tokens, stored: Sequence[list[int]], case: str) -> list[PromptKeys]:
     """Distinct prompts of one case: stored prompts extended by a block of new tokens, stored prompts
-    left 5/8 into block 4 (as long as the stored prompt), or new prompts of the stored length."""
+    left 5/8 into block 4 (as long as the stored prompt), the last stored prompt's first 3/16 block then
+    new tokens (a short system prompt; the last one, so that no later save replaced the lead pointer it
+    hits through), or new prompts of the stored length."""
     block, length = setting.block, setting.prompt_tokens
-    common = {"extends": length, "diverges": DIVERGE_AT * block // 8, "unseen": 0}[case]
+    common = {"extends": length, "diverges": DIVERGE_AT * block // 8, "short": SHORT_SHARED * block // 16, "unseen": 0}[
+        case
+    ]
     total = length + block if case == "extends" else length
     prompts = []
     for index in range(WARMUP_LOOKUPS + LOOKUPS[block]):
-        head = stored[index % len(stored)][:common]
+        head = (stored[-1] if case == "short" else stored[index % len(stored)])[:common]
         prompts.append(setting.keys(head + tokens.draw(total - common, NEW_TOKENS)))
     return prompts
 
@@ -619,6 +634,11 @@ def expected_hit(setting: Setting, case: str) -> int:
         return setting.prompt_tokens
     if case == "unseen":
         return 0
+    if case == "short":  # inside the first block: through its lead pointer, else the grid's points
+        common = SHORT_SHARED * setting.block // 16
+        if setting.lead and common >= DEFAULTS.extend_min_tokens:
+            return common
+        return common if setting.grid and common >= setting.grid else 0
     common = DIVERGE_AT * setting.block // 8
     return common if setting.grid else common // setting.block * setting.block
 
@@ -650,7 +670,7 @@ def timed_lookups(setting: Setting, log: CallLog, prompts: Sequence[PromptKeys],
     }
 
 
-LOOKUP_CASES = ("extends", "diverges", "unseen")
+LOOKUP_CASES = ("extends", "diverges", "short", "unseen")
 
 
 def measure_setting(master: Master, log: CallLog, setting: Setting, tokens: Tokens) -> dict[str, Any]:
@@ -671,7 +691,8 @@ def measure_setting(master: Master, log: CallLog, setting: Setting, tokens: Toke
         "master_key_count_after": keys_after,
         "keys_per_save_measured": round(added / len(prompts), 2),
         "keys_per_save_expected": setting.keys_per_save(),
-        "keys_per_full_block_expected": 1 + pointers_per_block(setting.block, setting.grid),
+        "keys_per_full_block_expected": 1 + pointers_per_block(setting.block, setting.grid, setting.lead),
+        "block_lead_pointers": setting.lead,
         "lookups": lookups,
     }
 

@@ -24,9 +24,9 @@ from pathlib import Path
 
 os.environ.update({"MC_TCP_BIND_ADDRESS": "127.0.0.1", "VLLM_HOST_IP": "127.0.0.1"})
 
-from connector.config import divergence_grid, load_config  # noqa: E402
+from connector.config import divergence_grid, lead_pointers, load_config  # noqa: E402
 from connector.hashing import RequestIdentity  # noqa: E402
-from connector.lookups import pointer_reader  # noqa: E402
+from connector.lookups import POINTER_READ_SHARE, pointer_reader  # noqa: E402
 from connector.objects import HEADER_SIZE, PointerRecord, encode_pointer  # noqa: E402
 from connector.prefix import PromptKeys, plan_save  # noqa: E402
 from connector.search import find_stored_prefixes  # noqa: E402
@@ -77,7 +77,8 @@ def main() -> None:
         rng = random.Random(0)
 
         def keys_for(tokens: list[int]) -> PromptKeys:
-            return PromptKeys.build(tokens, bs, config.hash_unit, NAMESPACE, root, grid=grid)
+            lead = lead_pointers(config, bs)
+            return PromptKeys.build(tokens, bs, config.hash_unit, NAMESPACE, root, grid=grid, lead_pointers=lead)
 
         # Stored prompts, with their pointers (a tiny payload stands in for KV: only keys are asked).
         stored_prompts = [[rng.randrange(32000) for _ in range(PROMPT)] for _ in range(max(LEVELS))]
@@ -90,7 +91,14 @@ def main() -> None:
                     p.key,
                     encode_pointer(
                         PointerRecord(
-                            FINGERPRINT, p.chain_hash, p.group, p.token_end, ref.kind, ref.token_end, ref.chain_hash
+                            FINGERPRINT,
+                            p.chain_hash,
+                            p.group,
+                            p.token_end,
+                            ref.kind,
+                            ref.token_end,
+                            ref.chain_hash,
+                            tuple(tokens[p.token_end : ref.token_end]),
                         )
                     ),
                 )  # fmt: skip
@@ -100,7 +108,7 @@ def main() -> None:
             if pointers:
                 store.put_many(pointers, replace=True)
         exists = store.exists
-        read = pointer_reader(store, config.lookup_timeout_s)
+        read = pointer_reader(store, config.lookup_timeout_s * POINTER_READ_SHARE, bs)
         results = {}
         for level in LEVELS:
             times = []
@@ -114,7 +122,7 @@ def main() -> None:
                     else:
                         batch.append([rng.randrange(32000) for _ in range(PROMPT)])
                 t0 = time.perf_counter()
-                find_stored_prefixes([keys_for(tokens) for tokens in batch], exists, read)
+                find_stored_prefixes([keys_for(tokens) for tokens in batch], exists, read, config.extend_min_tokens)
                 times.append((time.perf_counter() - t0) * 1e3)
             times.sort()
             results[str(level)] = {

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from connector.config import KVToolConfig
-from connector.hashing import RequestIdentity, save_tail_boundary, tail_boundaries
+from connector.hashing import RequestIdentity, save_tail_boundary
 from connector.keys import KeyKind, decode_key
 from connector.objects import ObjectHeader, ObjectRejected, decode_header, verify_object
 from connector.prefix import PromptKeys, plan_load
@@ -214,10 +214,9 @@ def candidate_boundaries(keys: PromptKeys) -> list[tuple[KeyKind, int, str]]:
     found = [(KeyKind.BLOCK, (i + 1) * keys.block_size, keys.block_key(i)) for i in range(keys.num_full_blocks)]
     for block_index in range(len(keys.tokens) // keys.block_size + 1):
         found += [(KeyKind.TAIL, b, keys.tail_key(b)) for b in keys.tail_candidates(block_index)]
-        if keys.grid:  # at the block's start (an object continuing this prefix) and inside it
-            inside = tail_boundaries(block_index, keys.block_size, keys.grid, len(keys.tokens))
-            starts = (block_index * keys.block_size,) if keys.start_pointers else ()
-            found += [(KeyKind.POINTER, b, keys.pointer_ref(b).key) for b in (*starts, *inside)]
+        if keys.grid:  # on the grid inside the block, and at its first token (lead pointers)
+            ends = keys.pointer_ends(block_index, len(keys.tokens))
+            found += [(KeyKind.POINTER, b, keys.pointer_ref(b).key) for b in ends]
     order = {KeyKind.BLOCK: 0, KeyKind.TAIL: 1, KeyKind.POINTER: 2}
     return sorted(found, key=lambda item: (item[1], order[item[0]]))
 

@@ -26,8 +26,9 @@ BASE = list(range(1000, 1200))
 
 
 def keys_for(tokens, grid, unit=1):
-    """Keys with pointers at block starts too (what a connector whose grid exceeds extend_min_tokens puts)."""
-    return PromptKeys.build(tokens, BLOCK, unit, NS.key_component(), ROOT, grid=grid, start_pointers=True)
+    """Keys with lead pointers too, at each block's first token (what a connector whose grid exceeds
+    extend_min_tokens puts)."""
+    return PromptKeys.build(tokens, BLOCK, unit, NS.key_component(), ROOT, grid=grid, lead_pointers=True)
 
 
 def save(store, tokens, grid, unit=1):
@@ -100,7 +101,7 @@ def test_a_hit_reaches_the_exact_common_prefix_with_the_last_saved_prompt_and_ne
         assert hit >= reach, stored
 
 
-def test_a_short_shared_prefix_inside_the_first_block_is_found_through_the_pointer_at_its_start():
+def test_a_short_shared_prefix_inside_the_first_block_is_found_through_its_lead_pointer():
     """The commonest reuse there is: a short system prompt, shorter than the grid's first point."""
     store = ScriptedStore()
     save(store, BASE[:20] + [5] * 40, grid=16)
@@ -113,11 +114,12 @@ def test_a_prompt_leaving_a_stored_one_just_past_a_block_boundary_hits_there():
     store = ScriptedStore()
     save(store, BASE[:100], grid=8)
     stored, _ = lookup(store, BASE[:66] + [6] * 10, grid=8)
-    assert stored.hit_tokens == 66  # 64 by the blocks, 2 more by the pointer at 64's token ids
+    assert stored.hit_tokens == 66  # 64 by the blocks, 2 more by the lead pointer at 65 and its token ids
 
 
-def test_a_prompt_that_extends_a_stored_one_reads_no_pointer():
-    """A hit on the prompt's own tail could gain less than the grid's step: no read (nor for a repeat)."""
+def test_a_prompt_that_extends_a_stored_one_or_shares_nothing_reads_no_pointer():
+    """A hit on the prompt's own tail relies on no pointer; an unseen prompt finds none (a lead pointer's
+    key has the block's first token in it)."""
     store = ScriptedStore()
     save(store, BASE[:85], grid=8)
     reads = []
@@ -126,7 +128,7 @@ def test_a_prompt_that_extends_a_stored_one_reads_no_pointer():
         reads.append(asked)
         return store.get(asked)
 
-    for tokens, expected in ((BASE[:85], 84), (BASE[:85] + [6] * 10, 85)):
+    for tokens, expected in ((BASE[:85], 84), (BASE[:85] + [6] * 10, 85), ([6] * 40, 0), (BASE[:64] + [6] * 9, 64)):
         assert find_stored_prefix(keys_for(tokens, 8), store.exists, read).hit_tokens == expected
     assert reads == []
 
@@ -141,17 +143,18 @@ def test_from_a_block_boundary_a_hit_goes_on_only_when_it_saves_enough_to_pay_fo
         return lookup(store, tokens, 8, min_tokens=min_tokens)[0].hit_tokens
 
     assert [hit(BASE[:6] + [6] * 30, m) for m in (1, 6, 7)] == [6, 6, 0]  # from 0: a block to load
+    assert [hit(BASE[:70] + [6] * 30, m) for m in (1, 6, 7)] == [70, 70, 64]  # from 64, likewise
     assert [hit(BASE[:78] + [6] * 30, m) for m in (1, 16)] == [78, 78]  # by the pointer at 72, inside the block
 
 
-def test_without_start_pointers_a_hit_inside_a_block_still_goes_on_from_its_grid_point():
-    """The default at block 32 (grid 8, not past extend_min_tokens): no block-start pointers, exact all
-    the same from the first grid point on."""
+def test_without_lead_pointers_a_hit_inside_a_block_still_goes_on_from_its_grid_point():
+    """The default at block 32 (grid 8, not past extend_min_tokens): no lead pointers, exact all the same
+    from the first grid point on."""
     store, tokens = ScriptedStore(), BASE[:100]
     side, keys = worker(store, CACHES), PromptKeys.build(tokens, BLOCK, 1, NS.key_component(), ROOT, grid=8)
     transfers = tuple(save_transfer(keys, ref, ref.block_index) for ref in plan_save(keys))
     side.wait_for_save(KVToolMetadata(saves=[RequestSave("req-1", transfers, prompt_tokens=len(tokens))]))
     side.shutdown()
-    assert not any("/p/64/" in key or "/p/0/" in key for key in store.objects)
+    assert sorted({int(key.split("/")[-2]) % BLOCK for key in store.objects if "/p/" in key}) == [8, 16, 24]
     asked = PromptKeys.build(BASE[:53] + [6] * 9, BLOCK, 1, NS.key_component(), ROOT, grid=8)
     assert find_stored_prefix(asked, store.exists, lambda k: store.get(k), 16).hit_tokens == 53
