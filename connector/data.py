@@ -20,7 +20,7 @@ class BlockTransfer:
     chain_hash: bytes
     group: int = 0
     # A save's pointers to this object, put right after it: (boundary, prefix hash) at every divergence
-    # grid multiple inside it. A load's transfer of kind POINTER reads the pointer, then its object.
+    # grid multiple inside it, and at its first token where lead pointers are on.
     pointers: tuple[tuple[int, bytes], ...] = ()
     # With pointers: the object's token ids [token_start, token_end), which each pointer record carries
     # from its boundary on (a lookup compares them with its prompt's to find the exact common prefix).

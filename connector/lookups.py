@@ -2,7 +2,7 @@
 
 The scheduler asks for a request's stored prefix with ``want``; at the end of its step it calls
 ``flush``, which sends every prompt asked for since the last batch as one background job (at most two
-existence queries in all, ``prefix.find_stored_prefixes``). Until the job answers, ``poll`` returns
+existence queries in all, ``search.find_stored_prefixes``). Until the job answers, ``poll`` returns
 None and vLLM retries the request on a later step (``get_num_new_matched_tokens`` returns None). A
 lookup that has not answered within its time-out is a miss (a ``StoreError``); its job may still be
 stuck in the store client, so at most one job runs at a time and later requests wait for the next

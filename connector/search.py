@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from .calls import StoreError
 from .groups import GroupKind
+from .hashing import block_hashes, tail_hash
 from .keys import KeyKind, decode_key, object_key
 from .objects import ObjectRejected, PointerRecord, verify_pointer
 from .prefix import ObjectRef, PromptKeys
@@ -232,8 +233,12 @@ def _extend(
         else:
             reached[group.index] = (last.token_end, last)
     end = min(reach for reach, _ in reached.values())
-    start = hit - hit % keys.block_size
-    if lead and min(end, length - 1) - start < min_tokens:
+    if lead and min(end, length - 1) - (hit - hit % keys.block_size) < min_tokens:
+        # Back to the longest block boundary every group serves (a sliding window may need a block more
+        # there than one token later).
+        served, start = ServedIndex(keys, known), hit - hit % keys.block_size
+        while start and not served.serves(start):
+            start -= keys.block_size
         return start, start, {}
     if min(end, length - 1) <= hit:
         return tokens, hit, {}
@@ -246,11 +251,22 @@ def _is_pointer(key: str) -> bool:
 
 
 def _named(keys: PromptKeys, pointer: ObjectRef, record: bytes) -> tuple[ObjectRef, int] | None:
-    """The object a stored pointer record names and how far its token ids go along the prompt."""
+    """The object a stored pointer record names and how far its token ids go along the prompt; None when
+    the record is not this pointer's, or its token ids are not the ones the object's key was hashed from
+    (the prompt's tokens of that block up to the pointer, then the ids, chained from the block's parent)."""
     named = _verified(keys, pointer, record)
     if named is None:
         return None
     start, ids = pointer.token_end, named.token_ids
+    block_start = pointer.block_index * keys.block_size
+    held = keys.tokens[block_start:start] + ids  # the object's tokens, as the record says
+    parent = keys.parent_of_block(pointer.block_index)
+    if named.target_kind is KeyKind.BLOCK:
+        digest = block_hashes(held, keys.block_size, parent)[0]
+    else:
+        digest = tail_hash(held, len(held), keys.block_size, parent)
+    if digest != named.target_hash:
+        return None
     common = 0
     while common < len(ids) and start + common < len(keys.tokens) and ids[common] == keys.tokens[start + common]:
         common += 1

@@ -382,7 +382,9 @@ def prompt_report(
     every = admin.all_keys(target.admin)
     chosen = choose_namespace(namespace, namespaces(describe_key(k) for k in every))
     root = RequestIdentity(cache_salt=cache_salt).root_hash()
-    keys = PromptKeys.build(tokens, block_size, hash_unit, chosen, root, grid=target.divergence_grid or 0)
+    grid = target.divergence_grid or 0
+    lead = grid > EXTEND_MIN_TOKENS  # the connector's rule (config.lead_pointers) at its default
+    keys = PromptKeys.build(tokens, block_size, hash_unit, chosen, root, grid=grid, lead_pointers=lead)
     notes: list[str] = []
 
     coverage: list[Coverage] = []

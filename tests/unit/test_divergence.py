@@ -156,8 +156,9 @@ def forged(record: PointerRecord, **changes) -> bytes:
         {"target_hash": b"\1" * 16},  # names an object that is not stored
         {"token_ids": ()},  # token ids that do not cover the object from the boundary on
         "bit-flip",  # a stored record spoiled after its checksum was taken
+        "forged-ids",  # well formed, but ids the object's key was not hashed from (they match the prompt)
     ],
-    ids=["namespace", "prefix-hash", "before", "past-block", "kind", "not-stored", "ids", "bit-flip"],
+    ids=["namespace", "prefix-hash", "before", "past-block", "kind", "not-stored", "ids", "bit-flip", "forged-ids"],
 )
 def test_a_bad_pointer_is_no_hit_and_the_lookup_falls_back(change):
     store = ScriptedStore()
@@ -172,6 +173,8 @@ def test_a_bad_pointer_is_no_hit_and_the_lookup_falls_back(change):
             spoiled = bytearray(encode_pointer(good))
             spoiled[-8] ^= 1  # a token id
             store.objects[pointer.key] = bytes(spoiled)
+        elif change == "forged-ids":
+            store.objects[pointer.key] = forged(good, token_ids=(7,) * len(good.token_ids))
         else:
             store.objects[pointer.key] = forged(good, **change)
     stored, plan = resolved_lookup(store, diverging(75, 90), grid=8)

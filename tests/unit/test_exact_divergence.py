@@ -12,7 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from connector.data import KVToolMetadata, RequestSave
+from connector.groups import CacheGroup, GroupKind
 from connector.hashing import save_tail_boundary
+from connector.objects import PointerRecord, encode_pointer
 from connector.prefix import PromptKeys, plan_load, plan_save
 from connector.saveplans import save_transfer
 from connector.search import find_stored_prefix
@@ -158,3 +160,45 @@ def test_without_lead_pointers_a_hit_inside_a_block_still_goes_on_from_its_grid_
     assert sorted({int(key.split("/")[-2]) % BLOCK for key in store.objects if "/p/" in key}) == [8, 16, 24]
     asked = PromptKeys.build(BASE[:53] + [6] * 9, BLOCK, 1, NS.key_component(), ROOT, grid=8)
     assert find_stored_prefix(asked, store.exists, lambda k: store.get(k), 16).hit_tokens == 53
+
+
+def publish(objects: dict, tokens, groups, grid=8):
+    """What a save of ``tokens`` puts on a multi-group layout: every object, and each pointer's record
+    with its token ids (as the worker writes them), the group's own."""
+    keys = PromptKeys.build(tokens, BLOCK, 1, NS.key_component(), ROOT, groups, grid=grid)
+    for ref in plan_save(keys):
+        objects[ref.key] = b"object"
+        for pointer in keys.pointers_inside(ref):
+            ids = tuple(tokens[pointer.token_end : ref.token_end])
+            record = PointerRecord(NS.fingerprint(), pointer.chain_hash, ref.group, pointer.token_end, ref.kind,
+                                   ref.token_end, ref.chain_hash, ids)  # fmt: skip
+            objects[pointer.key] = encode_pointer(record)
+
+
+def test_on_a_sliding_window_model_every_group_extends_and_the_hit_stops_where_the_shortest_does():
+    groups = (CacheGroup(0, GroupKind.FULL, BLOCK), CacheGroup(1, GroupKind.SLIDING, BLOCK, window=40))
+    objects: dict[str, bytes] = {}
+    publish(objects, BASE[:85], groups)
+    prompt = BASE[:77] + [6] * 20
+    keys = PromptKeys.build(prompt, BLOCK, 1, NS.key_component(), ROOT, groups, grid=8)
+
+    def exists(asked):
+        return [key in objects for key in asked]
+
+    def read(asked):
+        return [objects.get(key) for key in asked]
+
+    stored = find_stored_prefix(keys, exists, read)
+    plan = plan_load(keys, stored, 0)
+    assert stored.hit_tokens == 77 and set(stored.extended) == {0, 1}
+    # The window (40 tokens) needs blocks from the one holding token 77 - 40 + 1 = 38: block 1 on.
+    assert sorted((o.group, o.token_start, o.token_end) for o in plan.objects) == [
+        (0, 0, 32), (0, 32, 64), (0, 64, 85), (1, 32, 64), (1, 64, 85),
+    ]  # fmt: skip
+    # Another prompt sharing 74 tokens, saved later, replaced the sliding group's pointer at 72 (and not,
+    # say by a failed put, the full group's): the full group reaches 77, the sliding one 74.
+    full_72 = keys.pointer_ref(72, 0).key
+    kept = objects[full_72]
+    publish(objects, BASE[:74] + [5] * 11, groups)
+    objects[full_72] = kept
+    assert find_stored_prefix(keys, exists, read).hit_tokens == 74
