@@ -56,8 +56,9 @@ class SchedulerSide:
         self._has_state_group = any(g.kind is GroupKind.STATE for g in self._groups)
         self._pending_saves: list[RequestSave] = []  # answer saves, sent with the next step's metadata
         self._holding: set[str] = set()  # finished requests whose blocks an answer save holds
-        self._space = KeySpace(self._block_size, config.hash_unit, self._namespace, self._groups, self._grid,
-                               lead_pointers(config, self._block_size))  # fmt: skip
+        # Lead pointers only serve extensions, which a state group never takes (a state is exact).
+        lead = lead_pointers(config, self._block_size) and not self._has_state_group
+        self._space = KeySpace(self._block_size, config.hash_unit, self._namespace, self._groups, self._grid, lead)
         self._tracked: dict[str, TrackedRequest] = {}
         self._pending_loads: list[RequestLoad] = []
         self._warned: set[str] = set()
