@@ -29,6 +29,9 @@ class ConfigError(ValueError):
     """A bad connector configuration; the message names the field and what it accepts."""
 
 
+EXTEND_MIN_TOKENS = 16  # extend_min_tokens' default
+
+
 class KVToolConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -52,7 +55,7 @@ class KVToolConfig(BaseModel):
         "divergence_grid()",
     )
     extend_min_tokens: int = Field(
-        default=16,
+        default=EXTEND_MIN_TOKENS,
         ge=1,
         description="where the grid is wider than this, saves also put a lead pointer at each object's first "
         "token, and a hit through it is taken only when it reuses at least this many tokens of that block "
@@ -109,10 +112,15 @@ class KVToolConfig(BaseModel):
 
 
 def lead_pointers(config: KVToolConfig, block_size: int) -> bool:
-    """Whether saves put a lead pointer at each object's first token too: where the grid's first point
-    inside a block lies further than ``extend_min_tokens``, so that a prompt leaving a stored one between
-    the two still reuses the exact common prefix (past that point it finds the grid's pointer)."""
-    return divergence_grid(config, block_size) > config.extend_min_tokens
+    """Whether saves put a lead pointer at each object's first token too (``has_lead_pointers``)."""
+    return has_lead_pointers(divergence_grid(config, block_size), config.extend_min_tokens)
+
+
+def has_lead_pointers(grid: int, extend_min_tokens: int = EXTEND_MIN_TOKENS) -> bool:
+    """Where the grid's first point inside a block lies further than ``extend_min_tokens``: so that a
+    prompt leaving a stored one between the two still reuses the exact common prefix (past that point
+    it finds the grid's pointer)."""
+    return grid > extend_min_tokens
 
 
 def divergence_grid(config: KVToolConfig, block_size: int) -> int:

@@ -61,6 +61,20 @@ def start_master() -> tuple[subprocess.Popen, str]:
     raise RuntimeError("mooncake_master did not start")
 
 
+def publish(store, keys: PromptKeys) -> None:
+    """A prompt's objects, then its pointers' records, as a save puts them."""
+    saved = plan_save(keys)
+    store.put_many([(ref.key, b"\0" * (HEADER_SIZE + 64)) for ref in saved])
+    pointers = [
+        (p.key, encode_pointer(PointerRecord(FINGERPRINT, p.chain_hash, p.group, p.token_end, ref.kind, ref.token_end,
+                                             ref.chain_hash, keys.tokens[p.token_end : ref.token_end])))
+        for ref in saved
+        for p in keys.pointers_inside(ref)
+    ]  # fmt: skip
+    if pointers:
+        store.put_many(pointers, replace=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--block-size", type=int, default=32)
@@ -76,37 +90,15 @@ def main() -> None:
         root = RequestIdentity().root_hash()
         rng = random.Random(0)
 
+        lead = lead_pointers(config, bs)
+
         def keys_for(tokens: list[int]) -> PromptKeys:
-            lead = lead_pointers(config, bs)
             return PromptKeys.build(tokens, bs, config.hash_unit, NAMESPACE, root, grid=grid, lead_pointers=lead)
 
         # Stored prompts, with their pointers (a tiny payload stands in for KV: only keys are asked).
         stored_prompts = [[rng.randrange(32000) for _ in range(PROMPT)] for _ in range(max(LEVELS))]
         for tokens in stored_prompts:
-            keys = keys_for(tokens)
-            items = [(ref.key, b"\0" * (HEADER_SIZE + 64)) for ref in plan_save(keys)]
-            store.put_many(items)
-            pointers = [
-                (
-                    p.key,
-                    encode_pointer(
-                        PointerRecord(
-                            FINGERPRINT,
-                            p.chain_hash,
-                            p.group,
-                            p.token_end,
-                            ref.kind,
-                            ref.token_end,
-                            ref.chain_hash,
-                            tuple(tokens[p.token_end : ref.token_end]),
-                        )
-                    ),
-                )  # fmt: skip
-                for ref in plan_save(keys)
-                for p in keys.pointers_inside(ref)
-            ]
-            if pointers:
-                store.put_many(pointers, replace=True)
+            publish(store, keys_for(tokens))
         exists = store.exists
         read = pointer_reader(store, config.lookup_timeout_s * POINTER_READ_SHARE, bs)
         results = {}

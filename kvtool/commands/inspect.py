@@ -108,7 +108,8 @@ def prompt_command(
     as_json: LegacyJsonFlag = False,
 ) -> None:
     """Which of a prompt's block and tail keys are stored, the hit a consumer would get now, and why misses miss."""
-    from kvtool.inspect.prompt import prompt_report, prompt_tokens
+    from kvtool.inspect.prompt import prompt_report
+    from kvtool.inspect.tokens import prompt_tokens
     from kvtool.inspect.target import resolve_target
 
     output = output_options.with_legacy_json_flag(as_json)

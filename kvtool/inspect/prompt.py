@@ -9,12 +9,10 @@ what a consumer reports as ``local_hit_tokens + external_hit_tokens``. Everythin
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
-from connector.config import KVToolConfig
+from connector.config import EXTEND_MIN_TOKENS, has_lead_pointers
 from connector.hashing import RequestIdentity, save_tail_boundary
 from connector.keys import KeyKind, decode_key
 from connector.objects import ObjectHeader, ObjectRejected, decode_header, verify_object
@@ -26,9 +24,6 @@ from kvtool import admin
 from kvtool.errors import UserError
 from kvtool.report import Report, ReportTable
 from kvtool.inspect.target import Target, open_reader
-
-# A lookup's threshold for going on from a block boundary through pointer records (the connector's default).
-EXTEND_MIN_TOKENS: int = KVToolConfig.model_fields["extend_min_tokens"].default
 
 NEVER_STORED = "never stored"
 EVICTED = "evicted or expired"
@@ -202,8 +197,6 @@ class PromptInspection:
 def expected_header(keys: PromptKeys, kind: KeyKind, end_token: int) -> ObjectHeader:
     """The fields a reader derives from the key alone (the rest comes from its layout)."""
     start = ((end_token - 1) // keys.block_size) * keys.block_size
-    if kind is KeyKind.POINTER:
-        return ObjectHeader(b"", keys.pointer_ref(end_token).chain_hash, kind, "", 0, start, end_token, 0)
     chain = keys.block_chain[end_token // keys.block_size - 1] if kind is KeyKind.BLOCK else keys.tail_hash(end_token)
     return ObjectHeader(b"", chain, kind, "", 0, start, end_token, 0)
 
@@ -274,59 +267,6 @@ def choose_namespace(given: str | None, available: Sequence[str]) -> str:
     raise UserError(f"the store holds several kvtool namespaces ({', '.join(available)}): choose one with --namespace")
 
 
-# ---- prompt input ---------------------------------------------------------------------------
-
-
-def parse_token_ids(text: str) -> list[int] | None:
-    """Token ids written as a JSON list or separated by commas/whitespace; None if ``text`` is not that."""
-    stripped = text.strip()
-    if stripped.startswith("["):
-        try:
-            values = json.loads(stripped)
-        except json.JSONDecodeError:
-            return None
-        return values if isinstance(values, list) and all(isinstance(v, int) and v >= 0 for v in values) else None
-    parts = stripped.replace(",", " ").split()
-    if not parts or not all(p.isdigit() for p in parts):
-        return None
-    return [int(p) for p in parts]
-
-
-def prompt_tokens(tokens: str | None, text: str | None, file: Path | None, model: str | None) -> list[int]:
-    """The prompt from exactly one of --tokens, --text or --file (token ids, or else text)."""
-    given = [name for name, value in (("--tokens", tokens), ("--text", text), ("--file", file)) if value is not None]
-    if len(given) != 1:
-        raise UserError("give the prompt as exactly one of --tokens 1,2,3, --text STR or --file F")
-    if tokens is not None:
-        ids = parse_token_ids(tokens)
-        if not ids:
-            raise UserError(f"--tokens {tokens!r} is not a comma-separated list of token ids")
-        return ids
-    if file is not None:
-        try:
-            content = Path(file).read_text()
-        except OSError as exc:
-            raise UserError(f"cannot read --file {file}: {exc}") from None
-        ids = parse_token_ids(content)
-        if ids:
-            return ids
-        text = content
-    return tokenize(text or "", model)
-
-
-def tokenize(text: str, model: str | None) -> list[int]:
-    """Token ids as vLLM's /v1/completions makes them from a text prompt (special tokens added)."""
-    if not model:
-        raise UserError("--text needs the served model's tokenizer: give --model DIR or --pair READY_FILE")
-    try:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
-    except Exception as exc:  # transformers raises assorted errors for a missing or bad tokenizer
-        raise UserError(f"cannot load the tokenizer of {model}: {exc}") from None
-    return list(tokenizer(text)["input_ids"])
-
-
 # ---- I/O ------------------------------------------------------------------------------------
 
 
@@ -382,9 +322,8 @@ def prompt_report(
     every = admin.all_keys(target.admin)
     chosen = choose_namespace(namespace, namespaces(describe_key(k) for k in every))
     root = RequestIdentity(cache_salt=cache_salt).root_hash()
-    grid = target.divergence_grid or 0
-    lead = grid > EXTEND_MIN_TOKENS  # the connector's rule (config.lead_pointers) at its default
-    keys = PromptKeys.build(tokens, block_size, hash_unit, chosen, root, grid=grid, lead_pointers=lead)
+    grid = target.divergence_grid or 0  # lead pointers as the connector puts them, at its default
+    keys = PromptKeys.build(tokens, block_size, hash_unit, chosen, root, None, grid, has_lead_pointers(grid))
     notes: list[str] = []
 
     coverage: list[Coverage] = []

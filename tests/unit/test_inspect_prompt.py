@@ -21,8 +21,8 @@ from kvtool.inspect.prompt import (
     expected_header,
     inspect_prompt,
     miss_reason,
-    parse_token_ids,
 )
+from kvtool.inspect.tokens import parse_token_ids
 
 NS = Namespace(model="m", dtype="float32", kv_layout="cpu", block_size=32, num_layers=2, num_kv_heads=2, head_size=64)
 OTHER = Namespace(

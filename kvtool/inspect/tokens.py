@@ -1,0 +1,58 @@
+"""The prompt ``kvtool inspect prompt`` is asked about: token ids, or text tokenized as vLLM does."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kvtool.errors import UserError
+
+
+def parse_token_ids(text: str) -> list[int] | None:
+    """Token ids written as a JSON list or separated by commas/whitespace; None if ``text`` is not that."""
+    stripped = text.strip()
+    if stripped.startswith("["):
+        try:
+            values = json.loads(stripped)
+        except json.JSONDecodeError:
+            return None
+        return values if isinstance(values, list) and all(isinstance(v, int) and v >= 0 for v in values) else None
+    parts = stripped.replace(",", " ").split()
+    if not parts or not all(p.isdigit() for p in parts):
+        return None
+    return [int(p) for p in parts]
+
+
+def prompt_tokens(tokens: str | None, text: str | None, file: Path | None, model: str | None) -> list[int]:
+    """The prompt from exactly one of --tokens, --text or --file (token ids, or else text)."""
+    given = [name for name, value in (("--tokens", tokens), ("--text", text), ("--file", file)) if value is not None]
+    if len(given) != 1:
+        raise UserError("give the prompt as exactly one of --tokens 1,2,3, --text STR or --file F")
+    if tokens is not None:
+        ids = parse_token_ids(tokens)
+        if not ids:
+            raise UserError(f"--tokens {tokens!r} is not a comma-separated list of token ids")
+        return ids
+    if file is not None:
+        try:
+            content = Path(file).read_text()
+        except OSError as exc:
+            raise UserError(f"cannot read --file {file}: {exc}") from None
+        ids = parse_token_ids(content)
+        if ids:
+            return ids
+        text = content
+    return tokenize(text or "", model)
+
+
+def tokenize(text: str, model: str | None) -> list[int]:
+    """Token ids as vLLM's /v1/completions makes them from a text prompt (special tokens added)."""
+    if not model:
+        raise UserError("--text needs the served model's tokenizer: give --model DIR or --pair READY_FILE")
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
+    except Exception as exc:  # transformers raises assorted errors for a missing or bad tokenizer
+        raise UserError(f"cannot load the tokenizer of {model}: {exc}") from None
+    return list(tokenizer(text)["input_ids"])
