@@ -1,12 +1,15 @@
 """The store interface every backend implements (Mooncake in connector/mooncake.py) and every
 extra wraps (time-outs, the circuit breaker, fault injection). No imports of its own: backends and
-wrappers depend on it, never the other way."""
+wrappers depend on it, never the other way (the staging types are named for type checks only)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from enum import Enum
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from .staging import Lease, Region
 
 
 class PutOutcome(str, Enum):
@@ -29,6 +32,24 @@ class KVStore(Protocol):
     def put_many(self, items: Sequence[tuple[str, bytes]], replace: bool = False) -> PutOutcome:
         """Put several small objects in one call; one outcome for all (STORED: every one is stored).
         ``replace``: a key already stored takes the new value (else the first put wins)."""
+        ...
+
+    # Zero-copy transfers (objects): straight between the store and registered host memory.
+
+    def register(self, address: int, nbytes: int) -> None:
+        """Register host memory that ``get_into`` and ``put_from`` regions lie in (a staging area);
+        raises ``StoreError`` when the store refuses it."""
+        ...
+
+    def get_into(self, keys: Sequence[str], regions: Sequence[Region], lease: Lease) -> list[int]:
+        """Read each key's object into its region (one batch); per key the bytes read, or 0 or a
+        negative code where it is missing or its transfer failed. ``regions`` lie in ``lease``: a call
+        that may outlive its caller (a time-out) holds the lease until it returns."""
+        ...
+
+    def put_from(self, items: Sequence[tuple[str, Region]], lease: Lease) -> list[PutOutcome]:
+        """Put each key's object from its region (one batch); an outcome per key (a key already stored
+        counts as stored and keeps its value). ``lease`` as in ``get_into``."""
         ...
 
     def remove(self, key: str) -> int: ...

@@ -14,9 +14,13 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .calls import StoreBusy, StoreError, StoreTimeout
 from .store import KVStore, PutOutcome
+
+if TYPE_CHECKING:
+    from .staging import Lease, Region
 
 logger = logging.getLogger("vllm.kvtool")
 
@@ -144,6 +148,15 @@ class GuardedStore:
 
     def put_many(self, items: Sequence[tuple[str, bytes]], replace: bool = False) -> PutOutcome:
         return self._run("put", lambda: self._store.put_many(items, replace))
+
+    def register(self, address: int, nbytes: int) -> None:
+        self._store.register(address, nbytes)
+
+    def get_into(self, keys: Sequence[str], regions: Sequence[Region], lease: Lease) -> list[int]:
+        return self._run("get", lambda: self._store.get_into(keys, regions, lease))
+
+    def put_from(self, items: Sequence[tuple[str, Region]], lease: Lease) -> list[PutOutcome]:
+        return self._run("put", lambda: self._store.put_from(items, lease))
 
     def close(self) -> None:
         self._store.close()

@@ -61,6 +61,11 @@ class KVToolConfig(BaseModel):
         "token, and a hit through it is taken only when it reuses at least this many tokens of that block "
         "(loading a block to save a few tokens of prefill costs more than it saves)",
     )
+    skip_unprofitable_loads: bool = Field(
+        default=True,
+        description="take a hit only when its load is predicted to cost less than the prefill it saves (fitted "
+        "from the engine's own load and forward-pass times); a partial block that does not pay is dropped",
+    )
     model_id: str | None = Field(default=None, description="model identity in the namespace; default: served model")
     weights_digest: str = Field(default="", description="optional weights digest folded into the namespace")
 

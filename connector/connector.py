@@ -85,6 +85,7 @@ class KVToolConnector(KVConnectorBase_V1, SupportsHMA):
                 saves_enabled=saves_enabled,
                 answers_enabled=answers_enabled,
                 groups=self.layout.groups if self.layout is not None else None,
+                block_bytes=self.layout.block_bytes if self.layout is not None else (),
             )
         else:
             self._worker = WorkerSide(
@@ -165,6 +166,7 @@ class KVToolConnector(KVConnectorBase_V1, SupportsHMA):
         # The one worker hook between vLLM's copy-on-write copies and the forward (see
         # WorkerSide.repair_block_copies); start_load_kv may come after the forward.
         if self._worker is not None and isinstance(connector_metadata, KVToolMetadata):
+            self._worker.step_started()
             self._worker.repair_block_copies(connector_metadata.block_copies)
 
     @on_engine_thread
@@ -206,12 +208,12 @@ class KVToolConnector(KVConnectorBase_V1, SupportsHMA):
 
     @on_engine_thread
     def build_connector_worker_meta(self) -> KVToolWorkerMeta | None:
-        return self._worker.take_load_failures() if self._worker is not None else None
+        return self._worker.take_worker_meta() if self._worker is not None else None
 
     @on_engine_thread
     def update_connector_output(self, connector_output: KVConnectorOutput):
         if self._scheduler is not None:
-            self._scheduler.record_load_failures(connector_output.kv_connector_worker_meta)
+            self._scheduler.record_worker_meta(connector_output.kv_connector_worker_meta)
             self._scheduler.record_transfers(connector_output.finished_recving, connector_output.finished_sending)
 
     @on_engine_thread

@@ -87,16 +87,22 @@ class KVToolMetadata(KVConnectorMetadata):
     # vLLM's copy-on-write block copies of this step, (source, destination): the worker redoes them
     # whole before the forward (``WorkerSide.repair_block_copies``).
     block_copies: tuple[tuple[int, int], ...] = ()
+    step_tokens: int = 0  # tokens this step schedules: the worker times its forward pass (profit.py)
 
 
 @dataclass
 class KVToolWorkerMeta(KVConnectorWorkerMetadata):
-    """Worker -> scheduler: loads that failed, so hit details never claim tokens vLLM recomputed."""
+    """Worker -> scheduler: loads that failed, so hit details never claim tokens vLLM recomputed, and
+    the measurements the cost model is fitted from (``profit.CostModel``)."""
 
     load_failures: dict[str, tuple[int, str]] = field(default_factory=dict)  # req_id -> (first bad token, cause)
+    # (bytes, seconds of the transfer, seconds its request waited) of each load applied
+    load_samples: list[tuple[int, float, float]] = field(default_factory=list)
+    step_samples: list[tuple[int, float]] = field(default_factory=list)  # (tokens scheduled, forward seconds)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         merged = dict(self.load_failures)
         for req_id, failure in getattr(other, "load_failures", {}).items():
             merged[req_id] = min(failure, merged.get(req_id, failure))
-        return KVToolWorkerMeta(merged)
+        loads = self.load_samples + list(getattr(other, "load_samples", []))
+        return KVToolWorkerMeta(merged, loads, self.step_samples + list(getattr(other, "step_samples", [])))

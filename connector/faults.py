@@ -14,14 +14,18 @@ import json
 import os
 import time
 from collections.abc import Sequence
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from .calls import StoreError
 from .backend import KVStore, PutOutcome
 
+if TYPE_CHECKING:
+    from .staging import Lease, Region
+
 _RPC_FAILED = -900
+_NOT_FOUND = -704
 
 
 class FaultPlan(BaseModel):
@@ -55,6 +59,19 @@ def corrupt(value: bytes, how: str) -> bytes:
         return value[: len(value) // 2]
     # Another namespace: the header's fingerprint (bytes 8..24) is someone else's.
     return value[:8] + bytes(b ^ 0xFF for b in value[8:24]) + value[24:]
+
+
+def corrupt_in_place(view: memoryview, count: int, how: str) -> int:
+    """``corrupt`` on an object read into a region (``count`` bytes of it); the bytes it now holds."""
+    if count <= 0:
+        return count
+    if how == "flip":
+        view[count - 1] ^= 0x01
+        return count
+    if how == "truncate":
+        return count // 2
+    view[8:24] = bytes(b ^ 0xFF for b in view[8:24])
+    return count
 
 
 class FaultyStore:
@@ -123,6 +140,30 @@ class FaultyStore:
         if plan.put_outcome is not None and any(_kind_of(key) in plan.put_kinds for key, _ in items):
             return PutOutcome.NO_SPACE if plan.put_outcome == "no_space" else PutOutcome.FAILED
         return self._store.put_many(items, replace)
+
+    def register(self, address: int, nbytes: int) -> None:
+        self._store.register(address, nbytes)
+
+    def get_into(self, keys: Sequence[str], regions: Sequence[Region], lease: Lease) -> list[int]:
+        plan = self._enter(self.plan().get_delay_s)
+        if plan.fail_get:
+            return [_NOT_FOUND] * len(keys)
+        counts = self._store.get_into(keys, regions, lease)
+        if plan.corrupt_get is None:
+            return counts
+        return [
+            corrupt_in_place(region.view, count, plan.corrupt_get) if _kind_of(key) in plan.get_kinds else count
+            for key, region, count in zip(keys, regions, counts, strict=True)
+        ]
+
+    def put_from(self, items: Sequence[tuple[str, Region]], lease: Lease) -> list[PutOutcome]:
+        plan = self._enter(self.plan().put_delay_s)
+        if plan.put_outcome is None:
+            return self._store.put_from(items, lease)
+        refused = PutOutcome.NO_SPACE if plan.put_outcome == "no_space" else PutOutcome.FAILED
+        passed = [(key, region) for key, region in items if _kind_of(key) not in plan.put_kinds]
+        stored = iter(self._store.put_from(passed, lease) if passed else [])
+        return [refused if _kind_of(key) in plan.put_kinds else next(stored) for key, _ in items]
 
     def remove(self, key: str) -> int:
         return self._store.remove(key)

@@ -36,6 +36,9 @@ class HitDetails:
     # The lookup could not read a pointer record its best hit relied on (a store or transfer failure):
     # the hit fell back to what the lookup found without it.
     pointer_read_failed: bool = False
+    # The connector did not take all the hit it found: "unprofitable: ..." (a load would have cost more
+    # than the prefill it saves) or "trimmed: ..." (the partial block's object was dropped).
+    load_skipped: str | None = None
     # Only in request-log records: the vLLM request id and the client's kvtool_tag.
     request_id: str | None = None
     tag: str | None = None

@@ -26,6 +26,7 @@ class EngineLayout:
     layer_names: tuple[tuple[str, ...], ...]  # per group
     # Per group: the attention kernel's block layout (attention_layout), None for a state group.
     attention: tuple[str | None, ...] = ()
+    block_bytes: tuple[int, ...] = ()  # per group: one block across its layers (what an object holds)
 
 
 def attention_layout(vllm_config: VllmConfig, spec: object) -> str:
@@ -154,7 +155,8 @@ def engine_layout(
         model_identity=model_identity(vllm_config, weights_digest),
         cache_groups=_describe_specs(groups, specs),
     )
-    return EngineLayout(namespace, groups, tuple(tuple(group.layer_names) for group in specs), kernels)
+    block_bytes = tuple(g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in specs)
+    return EngineLayout(namespace, groups, tuple(tuple(group.layer_names) for group in specs), kernels, block_bytes)
 
 
 def _describe_specs(groups: tuple[CacheGroup, ...], specs: list[KVCacheGroupSpec]) -> str:

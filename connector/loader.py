@@ -9,6 +9,9 @@ KV cache and reports the request as received; vLLM schedules it in the next step
 in any way, or did not answer within the load time-out, is reported as a failed receive: vLLM drops
 the whole external hit (nothing of it was cached) and recomputes. So a slow load delays only its own
 request, and a failed one is a miss that no other request can ever see.
+
+Objects are read straight into slots of the load staging area (``staging``), one batch per load,
+checked there, and copied into the KV cache from there; the slots are the byte budget.
 """
 
 from __future__ import annotations
@@ -18,12 +21,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .calls import BoundedCalls, StoreBusy, StoreError
 from .data import BlockTransfer, RequestLoad
 from .keys import KeyKind
 from .objects import ObjectHeader, ObjectRejected, verify_object
+from .staging import Lease, StagingArea
 from .store import KVStore
 
 
@@ -42,6 +46,7 @@ class Fetched:
 
     payloads: tuple[memoryview, ...] = ()
     failure: LoadFailure | None = None
+    seconds: float = 0.0  # the transfer and checks, on the fetch thread
 
 
 def fetch(
@@ -49,20 +54,22 @@ def fetch(
     transfers: tuple[BlockTransfer, ...],
     key_of: Callable[[BlockTransfer], str],
     header_of: Callable[[BlockTransfer], ObjectHeader],
-    object_bytes: int,
+    lease: Lease,
 ) -> Fetched:
-    """Read and check a load's objects (runs on a background thread). Pure but for the store."""
+    """Read a load's objects into the lease's slots and check them there (runs on a background
+    thread); the payloads are views of the slots. Pure but for the store."""
     keys = [key_of(t) for t in transfers]
+    regions = [lease.region(index) for index in range(len(transfers))]
     try:
-        values = store.get(keys, object_bytes)
+        counts = store.get_into(keys, regions, lease)
     except StoreError as exc:
         return Fetched(failure=LoadFailure("store_error", str(exc)))
     payloads = []
-    for key, transfer, value in zip(keys, transfers, values, strict=True):
-        if value is None:
-            return Fetched(failure=LoadFailure("missing", f"{key} could not be read"))
+    for key, transfer, region, count in zip(keys, transfers, regions, counts, strict=True):
+        if count <= 0:
+            return Fetched(failure=LoadFailure("missing", f"{key} could not be read ({count})"))
         try:
-            payloads.append(verify_object(value, header_of(transfer)))
+            payloads.append(verify_object(region.view[:count], header_of(transfer)))
         except ObjectRejected as exc:
             return Fetched(failure=LoadFailure(exc.cause, f"{key}: {exc}"))
     return Fetched(payloads=tuple(payloads))
@@ -72,7 +79,8 @@ def fetch(
 class _InFlight:
     load: RequestLoad
     deadline: float  # to start, while queued; to answer, once started
-    size: int = 0  # bytes its fetch holds
+    planned: float = 0.0  # when the step that started it began: its request has waited since
+    lease: Lease | None = None  # the slots its fetch reads into, once started
     future: concurrent.futures.Future[Fetched] | None = None
     failure: LoadFailure | None = None  # failed before it started
 
@@ -91,8 +99,9 @@ LOAD_THREADS = 4
 
 
 class Loader:
-    """Starts loads in arrival order while their bytes fit ``budget_bytes`` (one load always fits
-    when none is in flight) and a fetch thread is free; the others wait their turn, as the request
+    """Starts loads in arrival order while the load area has slots for their objects (one load always
+    runs: a load larger than the whole area gets a buffer of its own when none is in flight) and a
+    fetch thread is free; the others wait their turn, as the request
     waits for its external tokens in vLLM. A load that cannot start within the load time-out (a hung
     store keeps every thread) or does not answer within it once started fails: a miss, never a hang."""
 
@@ -102,82 +111,97 @@ class Loader:
         *,
         key_of: Callable[[BlockTransfer], str],
         header_of: Callable[[BlockTransfer], ObjectHeader],
-        object_bytes: Callable[[], int],
         write_block: Callable[[BlockTransfer, memoryview], None],
         timeout_s: float,
-        budget_bytes: int,
+        area: StagingArea | None = None,
         clock: Callable[[], float] = time.monotonic,
         calls: BoundedCalls | None = None,
     ):
         self._store = store
         self._key_of = key_of
         self._header_of = header_of
-        self._object_bytes = object_bytes
         self._write_block = write_block
         self._timeout_s = timeout_s
-        self._budget_bytes = budget_bytes
+        self.area = area  # set when the worker knows its block size (register_kv_caches)
         self._clock = clock
         self._calls = calls or BoundedCalls("kvtool-load", limit=LOAD_THREADS)
         self._in_flight: dict[str, _InFlight] = {}
         self._queue: deque[_InFlight] = deque()  # planned, waiting for bytes or a thread
+        self._oversize_held = 0  # leases of their own, larger than the area, not yet returned
         self._lock = threading.Lock()
-        self._held_bytes = 0  # of fetches started and not yet applied, failed, or returned
         self.queued = 0  # loads that had to wait for their turn (a metric)
+        # Of loads applied: (bytes, seconds of the transfer, seconds its request waited), for the cost model.
+        self.samples: list[tuple[int, float, float]] = []
 
     @property
     def held_bytes(self) -> int:
+        """Bytes of slots held by fetches started and not yet applied, failed, or returned."""
         with self._lock:
-            return self._held_bytes
+            oversize = self._oversize_held
+        return (self.area.held_bytes if self.area is not None else 0) + oversize
 
     def start(self, load: RequestLoad) -> None:
-        entry = _InFlight(load, self._clock() + self._timeout_s)
+        now = self._clock()
+        entry = _InFlight(load, now + self._timeout_s, planned=now)
         self._in_flight[load.req_id] = entry
-        if self._store is None:
+        if self._store is None or self.area is None:
             entry.failure = LoadFailure("no_store", "the worker has no store connection")
             return
-        entry.size = len(load.transfers) * self._object_bytes()
         self._queue.append(entry)
         self._start_queued()
         if entry.future is None and entry.failure is None:
             self.queued += 1
 
     def _start_queued(self) -> None:
-        store = self._store
-        while self._queue and store is not None:
+        store, area = self._store, self.area
+        while self._queue and store is not None and area is not None:
             entry = self._queue[0]
-            with self._lock:
-                fits = self._held_bytes == 0 or self._held_bytes + entry.size <= self._budget_bytes
-                if fits:
-                    self._held_bytes += entry.size
-            if not fits:
+            lease = self._lease(area, len(entry.load.transfers))
+            if lease is None:
                 return
             try:
-                entry.future = self._calls.submit(self._fetcher(store, entry.load), "load")
+                entry.future = self._calls.submit(self._fetcher(store, entry.load, lease), "load")
             except StoreBusy:  # every thread is stuck on the store: wait for one, within the deadline
-                self._release(entry.size)
+                lease.release()
                 return
             except StoreError as exc:
-                self._release(entry.size)
+                lease.release()
                 entry.failure = LoadFailure("store_error", str(exc))
+            else:
+                entry.lease = lease
             self._queue.popleft()
             entry.deadline = self._clock() + self._timeout_s
 
-    def _fetcher(self, store: KVStore, load: RequestLoad) -> Callable[[], Fetched]:
-        size = self._object_bytes()
-        return lambda: fetch(store, load.transfers, self._key_of, self._header_of, size)
-
-    def _release(self, size: int) -> None:
+    def _lease(self, area: StagingArea, count: int) -> Lease | None:
+        """Slots for ``count`` objects, or None while earlier loads hold them."""
+        lease = area.take(count)
+        if lease is not None or count <= area.slots or self.held_bytes:
+            return lease
+        size = count * area.slot_bytes  # larger than the whole area, and nothing else in flight
         with self._lock:
-            self._held_bytes -= size
+            self._oversize_held += size
+        return area.take_oversize(count, lambda: self._oversize_done(size))
+
+    def _oversize_done(self, size: int) -> None:
+        with self._lock:
+            self._oversize_held -= size
+
+    def _fetcher(self, store: KVStore, load: RequestLoad, lease: Lease) -> Callable[[], Fetched]:
+        def timed() -> Fetched:
+            start = time.perf_counter()
+            fetched = fetch(store, load.transfers, self._key_of, self._header_of, lease)
+            return replace(fetched, seconds=time.perf_counter() - start)
+
+        return timed
 
     def _drop(self, entry: _InFlight) -> None:
         """Forget an ended load; its bytes are free once its fetch has returned."""
         del self._in_flight[entry.load.req_id]
         if entry in self._queue:
             self._queue.remove(entry)
-        elif entry.future is not None:
-            size = entry.size
-            entry.future.add_done_callback(lambda _: self._release(size))  # runs now if it has returned
+        elif entry.future is not None and entry.lease is not None:
+            lease = entry.lease
+            entry.future.add_done_callback(lambda _: lease.release())  # runs now if it has returned
 
     def fail(self, load: RequestLoad, cause: str, detail: str) -> None:
         """Report ``load`` as failed at the next ``finish`` without trying it."""
@@ -204,6 +228,8 @@ class Loader:
                 failure = fetched.failure
                 if failure is None:
                     self._apply(entry.load, fetched, counts)
+                    nbytes = sum(len(p) for p in fetched.payloads)
+                    self.samples.append((nbytes, fetched.seconds, self._clock() - entry.planned))
             elif failure is None and now > entry.deadline:
                 if entry.future is None:
                     failure = LoadFailure(

@@ -11,10 +11,14 @@ from __future__ import annotations
 import logging
 import socket
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from .calls import BoundedCalls, StoreError
 from .config import KVToolConfig
 from .backend import PutOutcome
+
+if TYPE_CHECKING:
+    from .staging import Lease, Region
 
 logger = logging.getLogger("vllm.kvtool")
 
@@ -75,13 +79,30 @@ class MooncakeStore:
         return [bytes(value) if value else None for value in values]
 
     def put(self, key: str, value: bytes) -> PutOutcome:
-        code = self._client.put(key, value)
-        if code == 0:
-            return PutOutcome.STORED
-        if code == _NO_SPACE:
-            return PutOutcome.NO_SPACE
-        logger.debug("kvtool: put of %s returned %s", key, code)
-        return PutOutcome.FAILED
+        return _outcome(key, self._client.put(key, value))
+
+    def register(self, address: int, nbytes: int) -> None:
+        code = self._client.register_buffer(address, nbytes)
+        if code != 0:
+            raise StoreError(f"Mooncake refused to register {nbytes} bytes of staging memory (code {code})")
+
+    def get_into(self, keys: Sequence[str], regions: Sequence[Region], lease: Lease) -> list[int]:
+        if not keys:
+            return []
+        # No batch limit: the client reads straight into the regions (no transfer buffer in between).
+        counts = self._client.batch_get_into(list(keys), [r.address for r in regions], [len(r.view) for r in regions])
+        if len(counts) != len(keys):
+            raise StoreError(f"object load answered {len(counts)} of {len(keys)} keys")
+        return list(counts)
+
+    def put_from(self, items: Sequence[tuple[str, Region]], lease: Lease) -> list[PutOutcome]:
+        if not items:
+            return []
+        keys = [key for key, _ in items]
+        codes = self._client.batch_put_from(keys, [r.address for _, r in items], [len(r.view) for _, r in items])
+        if len(codes) != len(items):
+            raise StoreError(f"batch put answered {len(codes)} of {len(items)} keys")
+        return [_outcome(key, code) for key, code in zip(keys, codes, strict=True)]
 
     def put_many(self, items: Sequence[tuple[str, bytes]], replace: bool = False) -> PutOutcome:
         if not items:
@@ -105,6 +126,15 @@ class MooncakeStore:
             except StoreError as exc:
                 logger.warning("kvtool: %s", exc)
         self._setup.shutdown()
+
+
+def _outcome(key: str, code: int) -> PutOutcome:
+    if code == 0:
+        return PutOutcome.STORED
+    if code == _NO_SPACE:
+        return PutOutcome.NO_SPACE
+    logger.debug("kvtool: put of %s returned %s", key, code)
+    return PutOutcome.FAILED
 
 
 def _check_reachable(address: str, timeout_s: float) -> None:

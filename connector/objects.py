@@ -86,7 +86,7 @@ def encode_object(header: ObjectHeader, payload: bytes | memoryview) -> bytes:
     return bytes(data)
 
 
-def seal_object(header: ObjectHeader, data: bytearray) -> None:
+def seal_object(header: ObjectHeader, data: bytearray | memoryview) -> None:
     """Fill in the header of an object whose payload is already in place after ``HEADER_SIZE`` bytes.
 
     The engine's step copies a block's bytes straight into such a buffer; the checksum (CRC-32, which

@@ -1,13 +1,13 @@
-"""Saves in the background, in bounded memory, each stopping at its first failed put.
+"""Saves in the background, in bounded memory, one batch put per save.
 
-The worker copies a save's blocks into host memory in the step that computed them (so preemption or
-block reuse cannot change what is stored) and hands them here. Host copies waiting to be put are
-capped by a byte budget: a save that does not fit keeps only the leading objects that do (a prefix is
-still a valid prefix), and one that fits nothing is dropped; either way it is counted and the engine
-never waits. One thread puts the saves in order: first the pending watermark record, then one
-existence query for the save's objects (objects already stored are not sent again), then the puts,
-in prompt order, stopping at the first that fails (what follows a failed block could never be loaded,
-so storing it would only evict useful objects), then the final watermark record.
+The worker copies a save's blocks into slots of the save staging area in the step that computed them
+(so preemption or block reuse cannot change what is stored) and hands them here. The area's slots are
+the budget: a save that does not fit keeps only the leading objects that do (a prefix is still a valid
+prefix), and one that fits nothing is dropped; either way it is counted and the engine never waits.
+One thread puts the saves in order: first the pending watermark record, then one existence query for
+the save's objects (objects already stored are not sent again), then checksums and headers written
+in place and one zero-copy batch put of the rest, straight from the slots, then the pointers to the
+objects stored, then the final watermark record (each object's outcome).
 """
 
 from __future__ import annotations
@@ -24,36 +24,41 @@ from .calls import StoreError
 from .data import RequestSave
 from .keys import KeyKind
 from .objects import ObjectHeader, seal_object
+from .staging import Lease, Region, StagingArea
 from .store import KVStore, PutOutcome
 from .watermarks import SEQ_FINAL, SEQ_PENDING, ObjectProgress, WatermarkRecord, watermark
 
 logger = logging.getLogger("vllm.kvtool")
 
-SKIPPED = "skipped_after_failure"  # not tried: an earlier put of the save failed
 DROPPED_BUDGET = "dropped_budget"  # not copied: the save budget was full
 DROPPED_SHUTDOWN = "dropped_shutdown"  # not tried: the engine shut down first
 
 
 @dataclass(frozen=True)
 class ObjectCopy:
-    """One object of a save, copied, waiting for its put."""
+    """One object of a save, copied into a staging slot, waiting for its put."""
 
     transfer_number: int  # index in the save's transfers
     key: str
-    value: bytes | bytearray
+    region: Region  # the whole object: room for the header, then the payload
     pointers: tuple[tuple[str, bytes], ...] = ()  # (key, record) of its pointers, put once it is stored
-    # Set when ``value`` holds the payload only, after room for the header: the put thread seals it
-    # (checksum and header, ``objects.seal_object``) so that the engine's step made the copy alone.
+    # The header to seal it with (checksum and header, ``objects.seal_object``) on the put thread, so
+    # that the engine's step made the copy alone; None when the region holds a sealed object.
     header: ObjectHeader | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.region.view)
 
 
 class SaveJob:
     """One request's save: its objects' progress in prompt order (full blocks, then the tail)."""
 
-    def __init__(self, save: RequestSave, copies: list[ObjectCopy], watermark_key: Callable[[int], str]):
+    def __init__(self, save: RequestSave, copies: list[ObjectCopy], watermark_key: Callable[[int], str], lease: Lease):
         self.save = save
         self.copies = copies
         self.watermark_key = watermark_key
+        self.lease = lease  # the slots the copies are in; released once their put has returned
         self.objects = [
             ObjectProgress(o.kind, o.token_start, o.token_end, "present", o.group) for o in save.already_stored
         ]
@@ -72,7 +77,7 @@ class SaveJob:
 
     @property
     def nbytes(self) -> int:
-        return sum(len(c.value) for c in self.copies)
+        return sum(c.nbytes for c in self.copies)
 
     def record(self) -> WatermarkRecord:
         save = self.save
@@ -90,13 +95,12 @@ class SaveJob:
 
 
 class Saver:
-    def __init__(self, store: KVStore, *, budget_bytes: int, drain_timeout_s: float):
+    def __init__(self, store: KVStore, *, area: StagingArea, drain_timeout_s: float):
         self._store = store
-        self._budget = budget_bytes
+        self.area = area
         self._drain_timeout_s = drain_timeout_s
         self._queue: queue.Queue[SaveJob | None] = queue.Queue()
         self._lock = threading.Lock()
-        self._held = 0  # bytes of host copies admitted and not yet put
         self._stop_by: float | None = None  # after this, the put thread drops what is left
         self.stats: Counter[str] = Counter()
         self._warned: set[str] = set()
@@ -105,37 +109,28 @@ class Saver:
 
     # -- admission (engine thread) ------------------------------------------------------------------
 
-    def admit(self, object_sizes: list[int]) -> int:
-        """How many leading objects of a save (of these sizes, in put order) fit the budget now;
-        reserves their bytes."""
-        num_objects = len(object_sizes)
-        with self._lock:
-            room, fits = self._budget - self._held, 0
-            while fits < num_objects and object_sizes[fits] <= room:
-                room -= object_sizes[fits]
-                fits += 1
-            self._held += sum(object_sizes[:fits])
+    def admit(self, num_objects: int) -> Lease | None:
+        """Slots for as many leading objects of a save (in put order) as are free now; None if none."""
+        lease = self.area.take(num_objects, partial=True)
+        fits = len(lease) if lease is not None else 0
         if fits < num_objects:
             self._count("save_objects_dropped_budget", num_objects - fits)
             if fits == 0:
                 self._count("saves_dropped_budget")
             self._warn_once(
                 "budget",
-                f"kvtool: save budget of {self._budget} bytes is full (the store is slow or down); "
+                f"kvtool: the save area ({self.area.nbytes} bytes) is full (the store is slow or down); "
                 "dropping objects of saves until it drains",
             )
-        return fits
+        return lease
 
-    def submit(self, job: SaveJob, reserved_bytes: int) -> None:
-        """Queue a save whose copies were admitted; ``reserved_bytes`` is what ``admit`` reserved."""
-        with self._lock:
-            self._held += job.nbytes - reserved_bytes  # settle the estimate to the real size
+    def submit(self, job: SaveJob) -> None:
+        """Queue a save whose copies were made in the slots ``admit`` gave."""
         self._queue.put(job)
 
     @property
     def held_bytes(self) -> int:
-        with self._lock:
-            return self._held
+        return self.area.held_bytes
 
     # -- the put thread -----------------------------------------------------------------------------
 
@@ -147,34 +142,41 @@ class Saver:
             self._run(job)
 
     def _run(self, job: SaveJob) -> None:
-        self._put_record(job, SEQ_PENDING)
-        copies = job.in_put_order()
-        present = self._present([c.key for c in copies])
-        failed = False
+        try:
+            self._put_record(job, SEQ_PENDING)
+            copies = job.in_put_order()
+            present = self._present([c.key for c in copies])
+            stopping = self._stopping()
+            sent = [c for c, found in zip(copies, present, strict=True) if not found and not stopping]
+            outcomes = dict(zip((c.key for c in sent), self._put_batch(sent, job.lease), strict=True))
+        finally:
+            job.lease.release()  # a put still running in the client holds it until it returns
         pointers: list[tuple[str, bytes]] = []
         for copy, found in zip(copies, present, strict=True):
-            if self._stopping():
-                outcome = DROPPED_SHUTDOWN
-            elif failed:
-                outcome = SKIPPED
-            elif found:
-                outcome = "present"
-            else:
-                if copy.header is not None and isinstance(copy.value, bytearray):
-                    seal_object(copy.header, copy.value)
-                outcome = self._put(copy.key, copy.value).value
-                if outcome == PutOutcome.STORED.value:
-                    self._count("bytes_saved", len(copy.value))
-                    pointers += copy.pointers
-                failed = outcome != PutOutcome.STORED.value
+            outcome = "present" if found else DROPPED_SHUTDOWN if stopping else outcomes[copy.key].value
+            if outcome == PutOutcome.STORED.value:
+                self._count("bytes_saved", copy.nbytes)
+                pointers += copy.pointers
             job.settle(copy.transfer_number, outcome)
             self._count(f"saves_{outcome}")
-            with self._lock:
-                self._held -= len(copy.value)
         job.copies = []
         if pointers and not self._stopping():
             self._put_pointers(pointers)
         self._put_record(job, SEQ_FINAL)
+
+    def _put_batch(self, copies: list[ObjectCopy], lease: Lease) -> list[PutOutcome]:
+        """Seal the copies in place and put them in one zero-copy batch; an outcome per copy."""
+        for copy in copies:
+            if copy.header is not None:
+                seal_object(copy.header, copy.region.view)
+        try:
+            outcomes = self._store.put_from([(c.key, c.region) for c in copies], lease) if copies else []
+        except StoreError as exc:
+            self._warn_once("put", f"kvtool: put failed, that prefix stays a miss: {exc}")
+            return [PutOutcome.FAILED] * len(copies)
+        if PutOutcome.NO_SPACE in outcomes:
+            self._warn_once("no-space", "kvtool: the store is full; puts are dropped until it evicts")
+        return outcomes
 
     def _put_pointers(self, pointers: list[tuple[str, bytes]]) -> None:
         """Point to the save's stored objects from the divergence points inside them: one batch put, after

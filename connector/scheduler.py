@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
@@ -12,9 +13,11 @@ from .config import KVToolConfig, divergence_grid, lead_pointers
 from .data import BlockTransfer, KVToolMetadata, RequestLoad, RequestSave, StoredObject
 from .groups import NULL_BLOCK_ID, CacheGroup, GroupKind
 from .keys import KeyKind, Namespace
+from .answers import plan_answer_save
 from .calls import BoundedCalls
 from .lookups import POINTER_READ_SHARE, LookupBatcher, pointer_reader
 from .prefix import ObjectRef, plan_load, plan_save, single_group
+from .profit import HitJudge
 from .search import StoredPrefix
 from .store import KVStore, StoreError
 from .saveplans import last_put_key, save_transfer
@@ -40,6 +43,7 @@ class SchedulerSide:
         answers_enabled: bool = False,
         lookup_calls: BoundedCalls | None = None,
         groups: tuple[CacheGroup, ...] | None = None,
+        block_bytes: tuple[int, ...] = (),
     ):
         self._config = config
         self._namespace = namespace.key_component()
@@ -75,6 +79,8 @@ class SchedulerSide:
             else None
         )
         self._request_log = RequestLog(config.request_log) if config.request_log else None
+        # A hit is taken when its load is predicted to cost less than the prefill it saves.
+        self._judge = HitJudge(block_bytes, config.skip_unprofitable_loads)
 
     # -- lookup -------------------------------------------------------------------------------------
 
@@ -134,6 +140,11 @@ class SchedulerSide:
         if outcome.pointer_read_failed:
             self.stats["pointer_reads_failed"] += 1
         plan = plan_load(tracked.keys, outcome, num_computed_tokens)
+        verdict = self._judge(tracked.keys, outcome, num_computed_tokens, plan)
+        if verdict.skipped is not None:
+            self.stats[f"loads_{verdict.skipped}"] += 1
+            tracked.load_skipped = f"{verdict.skipped}: {verdict.detail}"
+        plan = verdict.plan
         tracked.plan, tracked.stored = plan, outcome
         tracked.stored_prefix_tokens = outcome.tokens
         tracked.lookup = "hit" if plan.external_tokens else "miss"
@@ -188,6 +199,7 @@ class SchedulerSide:
         if self._lookups is not None:
             self._lookups.flush()  # this step's lookups, as one batch in the background
         meta = KVToolMetadata(loads=self._pending_loads, saves=self._pending_saves)
+        meta.step_tokens = getattr(scheduler_output, "total_num_scheduled_tokens", 0)
         self._pending_loads, self._pending_saves = [], []
         # vLLM 0.32 copies a sub-block prefix hit's shared tail block (copy-on-write) only partly on a
         # hybrid model (connector.worker.WorkerSide.repair_block_copies): have the worker redo them.
@@ -306,55 +318,6 @@ class SchedulerSide:
         tails = [s.token_end for s, _ in usable if s.kind is KeyKind.TAIL]
         tracked.tail_boundary_saved = tails[0] if tails else None
 
-    # -- answers ------------------------------------------------------------------------------------
-
-    def _plan_answer_save(self, tracked: TrackedRequest, block_ids: tuple[list[int], ...] | None) -> RequestSave | None:
-        """The save of prompt + answer at request end: every object of the tokens whose KV the request
-        computed (the last generated token has none) that is not known stored, from the request's
-        current blocks, which vLLM keeps until the worker has copied them (``finished_sending``).
-
-        Decoded KV is what a prefill of the same tokens computes, so the next turn, which extends
-        prompt + answer, hits all of it, on any engine."""
-        request = tracked.request
-        if not self._answers_enabled or tracked.unhashable or block_ids is None:
-            return None
-        if getattr(request, "num_output_tokens", 0) <= 0 or not tracked.keys.tokens:
-            return None  # never ran (an abort while waiting for its load): its blocks may hold nothing
-        if tracked.loading:
-            # Finished while its load (after a preemption) still fills its blocks: they hold nothing yet.
-            self.stats["answer_saves_skipped_loading"] += 1
-            return None
-        in_flight = getattr(request, "num_in_flight_tokens", 0)
-        if in_flight and self._has_state_group:
-            # A step still in flight has moved the running state past the last final token: no state
-            # for the answer's end, and without it no hit can use the answer's other objects.
-            self.stats["answer_saves_skipped_in_flight"] += 1
-            return None
-        computed = request.num_computed_tokens - in_flight
-        done = len(tracked.keys.tokens) if tracked.save_scheduled else 0
-        if computed <= max(done, 1):
-            return None
-        # The prompt as it was hashed (vLLM zeroes prompt-embedding positions in all_token_ids), then the answer.
-        tokens = [*tracked.keys.tokens, *getattr(request, "output_token_ids", ())][:computed]
-        keys = self._space.keys(tokens, tracked.keys.root)
-        stored = tracked.stored.present if tracked.stored is not None and tracked.load_failure is None else frozenset()
-        known = stored | tracked.saved_keys
-        usable = []
-        for ref in plan_save(keys):
-            ids = block_ids[ref.group] if ref.group < len(block_ids) else []
-            if ref.key in known or ref.block_index >= len(ids) or ids[ref.block_index] == NULL_BLOCK_ID:
-                continue  # stored already, or a block a sliding window gave up
-            usable.append((ref, ids[ref.block_index]))
-        if not usable:
-            return None
-        transfers = tuple(save_transfer(keys, ref, block_id) for ref, block_id in usable)
-        tracked.answer_tokens, tracked.answer_objects = computed, len(usable)
-        tracked.answer_last_key = last_put_key(keys, [ref for ref, _ in usable])
-        self.stats["answer_saves"] += 1
-        params = getattr(request, "kv_transfer_params", None) or {}
-        return RequestSave(request.request_id, transfers, prompt_tokens=computed, tag=params.get("kvtool_tag"),
-                           answer=True)  # fmt: skip
-
     def _source_block(self, tracked: TrackedRequest, save: ObjectRef, computed_before_step: int) -> int | None:
         """The block a save object is copied from, or None when the request no longer holds it."""
         tables = self._current_tables(tracked.request.request_id) if self._current_tables is not None else None
@@ -396,7 +359,13 @@ class SchedulerSide:
         rather than preempt a running request."""
         return bool(self._holding)
 
-    def record_load_failures(self, worker_meta: object) -> None:
+    def record_worker_meta(self, worker_meta: object) -> None:
+        """Loads that failed, and the worker's measurements for the cost model."""
+        line = self._judge.observe(
+            getattr(worker_meta, "load_samples", ()), getattr(worker_meta, "step_samples", ()), time.monotonic()
+        )
+        if line is not None:
+            logger.info(line)
         for req_id, failure in getattr(worker_meta, "load_failures", {}).items():
             tracked = self._tracked.get(req_id)
             if tracked is not None:
@@ -429,7 +398,11 @@ class SchedulerSide:
         if tracked is None:
             return False, None
         self._refreshed(tracked)  # a session whose next chunk arrived: its blocks hold that prompt's start
-        answer = self._plan_answer_save(tracked, block_ids)
+        answer = (
+            plan_answer_save(tracked, block_ids, self._space, has_state_group=self._has_state_group, stats=self.stats)
+            if self._answers_enabled
+            else None
+        )
         if answer is not None:
             self._pending_saves.append(answer)
             self._holding.add(request.request_id)

@@ -1,6 +1,7 @@
 """The store interface the connector needs, and how a store is put together.
 
-Five calls: batched existence, batched get, put of immutable objects, remove, close. A backend
+Batched existence, batched get, puts of immutable records, zero-copy batches of objects between the
+store and registered staging memory (``register``, ``get_into``, ``put_from``), remove, close. A backend
 (``mooncake.MooncakeStore``, chosen by the config's ``store_backend``) makes the calls; extras wrap
 the interface: fault injection for tests (``faults.FaultyStore``), time-outs on a bounded set of
 threads (``TimedStore``: a slow or wedged store becomes a ``StoreError``, a miss to the caller, and
@@ -14,9 +15,16 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 
-from .calls import BoundedCalls, StoreError
+from typing import TYPE_CHECKING, TypeVar
+
+from .calls import BoundedCalls, StoreError, result_of
 from .backend import KVStore, PutOutcome
 from .config import KVToolConfig
+
+if TYPE_CHECKING:
+    from .staging import Lease, Region
+
+T = TypeVar("T")
 
 __all__ = ["BACKENDS", "KVStore", "PutOutcome", "SharedStore", "StoreError", "TimedStore", "open_store"]
 
@@ -50,6 +58,33 @@ class TimedStore:
 
     def put_many(self, items: Sequence[tuple[str, bytes]], replace: bool = False) -> PutOutcome:
         return self._calls.call(lambda: self._store.put_many(items, replace), self._config.save_timeout_s, "batch put")
+
+    def register(self, address: int, nbytes: int) -> None:
+        self._calls.call(lambda: self._store.register(address, nbytes), self._config.connect_timeout_s, "registration")
+
+    def get_into(self, keys: Sequence[str], regions: Sequence[Region], lease: Lease) -> list[int]:
+        if not keys:
+            return []
+        fetch = lambda: self._store.get_into(keys, regions, lease)  # noqa: E731
+        return self._holding(lease, fetch, self._config.load_timeout_s, "object load")
+
+    def put_from(self, items: Sequence[tuple[str, Region]], lease: Lease) -> list[PutOutcome]:
+        if not items:
+            return []
+        put = lambda: self._store.put_from(items, lease)  # noqa: E731
+        return self._holding(lease, put, self._config.save_timeout_s, "batch put")
+
+    def _holding(self, lease: Lease, fn: Callable[[], T], timeout_s: float, what: str) -> T:
+        """``fn`` under the time-out, its lease held until it returns: the client library may still
+        write into (or read from) the regions of a call the caller stopped waiting for."""
+        lease.hold()
+        try:
+            future = self._calls.submit(fn, what)
+        except BaseException:
+            lease.release()
+            raise
+        future.add_done_callback(lambda _: lease.release())
+        return result_of(future, timeout_s, what)
 
     def remove(self, key: str) -> int:
         return self._calls.call(lambda: self._store.remove(key), self._config.save_timeout_s, "object remove")
@@ -118,6 +153,15 @@ class SharedStore:
 
     def put_many(self, items: Sequence[tuple[str, bytes]], replace: bool = False) -> PutOutcome:
         return self._live().put_many(items, replace)
+
+    def register(self, address: int, nbytes: int) -> None:
+        self._live().register(address, nbytes)
+
+    def get_into(self, keys: Sequence[str], regions: Sequence[Region], lease: Lease) -> list[int]:
+        return self._live().get_into(keys, regions, lease)
+
+    def put_from(self, items: Sequence[tuple[str, Region]], lease: Lease) -> list[PutOutcome]:
+        return self._live().put_from(items, lease)
 
     def remove(self, key: str) -> int:
         return self._live().remove(key)

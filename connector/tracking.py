@@ -80,6 +80,7 @@ class TrackedRequest:
     tail_boundary_saved: int | None = None
     last_saved_key: str | None = None
     load_failure: tuple[int, str] | None = None  # (first token recomputed, cause)
+    load_skipped: str | None = None  # the cost model's reason for not taking all of the hit
     saved_keys: frozenset[str] = frozenset()  # object keys the prompt's saves copied for their puts
     loading: bool = False  # a load into its blocks is in flight (planned, not yet reported received)
     answer_tokens: int = 0
@@ -143,6 +144,7 @@ class TrackedRequest:
             answer_tokens=tracked.answer_tokens,
             answer_save_objects=tracked.answer_objects,
             answer_last_key=tracked.answer_last_key,
+            load_skipped=tracked.load_skipped,
             pointer_read_failed=tracked.stored is not None and tracked.stored.pointer_read_failed,
         )
 

@@ -1,17 +1,19 @@
 """Worker side: copies whole physical blocks between vLLM's KV cache and stored objects.
 
-Loads are asynchronous (``loader.Loader``): fetched and checked on a background thread, copied into
-the request's blocks on the engine thread between forward passes, and reported through
-``get_finished``; a failed or late load is a failed receive, which vLLM recomputes. Saves copy the
-blocks into host memory at the end of the step that computed them (so a later preemption or block
-reuse cannot change what is stored), within a byte budget, then put them from a background thread
-(``saver.Saver``).
+Both directions go through host staging areas registered with the store (``staging``): transfers
+are zero-copy batches between the store and their slots. Loads are asynchronous (``loader.Loader``):
+read into the load area and checked on a background thread, copied into the request's blocks on the
+engine thread between forward passes, and reported through ``get_finished``; a failed or late load
+is a failed receive, which vLLM recomputes. Saves copy the blocks into slots of the save area at the
+end of the step that computed them (so a later preemption or block reuse cannot change what is
+stored), as many as have room, then a background thread seals and puts them (``saver.Saver``).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 import warnings
 from collections import Counter
 
@@ -24,7 +26,8 @@ from .keys import KeyKind, Namespace, object_key, watermark_key
 from .loader import Loader
 from .objects import HEADER_SIZE, ObjectHeader, PointerRecord, encode_pointer
 from .saver import ObjectCopy, Saver, SaveJob
-from .store import KVStore
+from .staging import Region, StagingArea
+from .store import KVStore, StoreError
 
 logger = logging.getLogger("vllm.kvtool")
 
@@ -53,6 +56,8 @@ class WorkerSide:
         self._group_bytes: list[int] = []  # per group: bytes of one block across its layers
         self._load_failures: dict[str, tuple[int, str]] = {}
         self._sent: set[str] = set()
+        self._step_start: float | None = None
+        self._step_samples: list[tuple[int, float]] = []  # (tokens scheduled, seconds of the forward pass)
         self.stats: Counter[str] = Counter()
         self._stats_lock = threading.Lock()
         self._warned: set[str] = set()
@@ -60,10 +65,8 @@ class WorkerSide:
             store,
             key_of=self._key,
             header_of=self._header,
-            object_bytes=lambda: HEADER_SIZE + max(self._group_bytes, default=0),
             write_block=self._write_block,
             timeout_s=config.load_timeout_s,
-            budget_bytes=config.load_buffer_bytes,
             calls=load_calls,
         )
         self._saver: Saver | None = None
@@ -105,12 +108,25 @@ class WorkerSide:
                 self._group_bytes[index],
                 self._ns_key,
             )
-        if self._saves_enabled and self._store is not None:
-            self._saver = Saver(
-                self._store,
-                budget_bytes=self._config.save_buffer_bytes,
-                drain_timeout_s=self._config.shutdown_drain_s,
-            )
+        if self._store is None:
+            return
+        slot_bytes = HEADER_SIZE + max(self._group_bytes, default=0)
+        self._loader.area = self._staging_area("load", slot_bytes, self._config.load_buffer_bytes)
+        if self._saves_enabled:
+            area = self._staging_area("save", slot_bytes, self._config.save_buffer_bytes)
+            self._saver = Saver(self._store, area=area, drain_timeout_s=self._config.shutdown_drain_s)
+
+    def _staging_area(self, name: str, slot_bytes: int, budget_bytes: int) -> StagingArea:
+        """A staging area of the budget's size (at least one object), registered with the store. A store
+        that refuses the registration still gets transfers from it (over TCP they work unregistered)."""
+        area = StagingArea(name, slot_bytes, max(1, budget_bytes // slot_bytes))
+        assert self._store is not None
+        try:
+            self._store.register(area.address, area.nbytes)
+        except StoreError as exc:
+            logger.warning("kvtool: %s staging area not registered with the store (%s)", name, exc)
+        logger.info("kvtool: %s staging area: %d slots of %d bytes", name, area.slots, area.slot_bytes)
+        return area
 
     @property
     def ready(self) -> bool:
@@ -221,15 +237,24 @@ class WorkerSide:
             target.copy_(source.view(layer.dtype).view(target.shape))
             offset += size
 
-    def take_load_failures(self) -> KVToolWorkerMeta | None:
-        if not self._load_failures:
+    def take_worker_meta(self) -> KVToolWorkerMeta | None:
+        """Loads that failed since the last step, and the cost model's measurements (``profit``)."""
+        if not (self._load_failures or self._loader.samples or self._step_samples):
             return None
-        failures, self._load_failures = self._load_failures, {}
-        return KVToolWorkerMeta(failures)
+        meta = KVToolWorkerMeta(self._load_failures, self._loader.samples, self._step_samples)
+        self._load_failures, self._loader.samples, self._step_samples = {}, [], []
+        return meta
+
+    def step_started(self) -> None:
+        self._step_start = time.perf_counter()
 
     # -- saves --------------------------------------------------------------------------------------
 
     def wait_for_save(self, meta: KVToolMetadata) -> None:
+        # The forward pass ran since bind_connector_metadata (``step_started``): a prefill-cost sample.
+        if self._step_start is not None and meta.step_tokens > 0:
+            self._step_samples.append((meta.step_tokens, time.perf_counter() - self._step_start))
+        self._step_start = None
         # An answer save's blocks are held by vLLM until it is reported sent: report it whatever
         # happens to its copy (made here, skipped, or impossible), or they would never be freed.
         self._sent.update(save.req_id for save in meta.saves if save.answer)
@@ -244,43 +269,41 @@ class WorkerSide:
         return sent
 
     def _snapshot(self, save: RequestSave) -> None:
-        """Copy the save's blocks (as many leading ones as the budget allows) and queue their puts."""
+        """Copy the save's blocks (as many leading ones as have slots) and queue their puts."""
         assert self._saver is not None
         breaker = getattr(self._store, "breaker", None)
         if breaker is not None and breaker.is_open:
             self._count("saves_skipped_breaker")  # no copy made: the store is failing
             return
-        sizes = [HEADER_SIZE + self._group_bytes[transfer.group] for transfer in save.transfers]
-        fits = self._saver.admit(sizes)
-        if fits == 0:
+        lease = self._saver.admit(len(save.transfers))
+        if lease is None:
             return
-        # The budget keeps a prefix: objects in put order (blocks by position, then tails and states).
+        # The slots keep a prefix: objects in put order (blocks by position, then tails and states).
         # Only the copy of the block's bytes happens on the engine's step; the put thread seals them.
-        copies = [
-            ObjectCopy(
-                number,
-                self._key(transfer),
-                self._copy_block(transfer),
-                self._pointers(transfer),
-                header=self._header(transfer),
+        copies = []
+        for number, transfer in enumerate(save.transfers[: len(lease)]):
+            region = lease.region(number, HEADER_SIZE + self._group_bytes[transfer.group])
+            self._copy_block(transfer, region)
+            copies.append(
+                ObjectCopy(number, self._key(transfer), region, self._pointers(transfer), header=self._header(transfer))
             )
-            for number, transfer in enumerate(save.transfers[:fits])
-        ]
-        job = SaveJob(save, copies, lambda seq: watermark_key(self._ns_key, save.watermark_id, seq))
-        self._saver.submit(job, sum(sizes[:fits]))
+        watermark = lambda seq: watermark_key(self._ns_key, save.watermark_id, seq)  # noqa: E731
+        self._saver.submit(SaveJob(save, copies, watermark, lease))
 
-    def _copy_block(self, transfer: BlockTransfer) -> bytearray:
+    def _copy_block(self, transfer: BlockTransfer, region: Region) -> None:
         """The block's bytes, every layer in turn, after room for the object header: one copy."""
-        data = bytearray(HEADER_SIZE + self._group_bytes[transfer.group])
-        target = torch.frombuffer(data, dtype=torch.uint8)
+        target = torch.frombuffer(region.view, dtype=torch.uint8)
         offset = HEADER_SIZE
         for layer in self._groups[transfer.group]:
             source = layer[transfer.block_id].contiguous().view(torch.uint8).reshape(-1)
             target[offset : offset + source.numel()].copy_(source)
             offset += source.numel()
-        return data
 
     def take_stats(self) -> dict[str, int]:
+        area = self._loader.area
+        if area is not None and area.oversize:
+            self._count("loads_oversize", area.oversize)
+            area.oversize = 0
         with self._stats_lock:
             taken, self.stats = dict(self.stats), Counter()
         for source in (self._saver, self._store):

@@ -34,6 +34,7 @@ class TransferSettings:
     extra: dict[str, Any] | None = None  # further fields of the kvtool connector's config (tests)
     save_answers: bool = False  # the engine also saves prompt + answer at request end (roles both)
     divergence_grid: int | None = None  # the kvtool connector's pointer grid; None: its default (auto)
+    take_every_hit: bool = False  # the kvtool connector's cost model off (skip_unprofitable_loads false)
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,8 @@ def kvtool_extra_config(settings: TransferSettings) -> dict[str, Any]:
         extra["save_answers"] = True
     if settings.divergence_grid is not None:
         extra["divergence_grid"] = settings.divergence_grid
+    if settings.take_every_hit:
+        extra["skip_unprofitable_loads"] = False
     extra.update(settings.extra or {})
     return extra
 

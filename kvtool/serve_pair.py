@@ -53,6 +53,7 @@ class ServePairConfig(BaseModel):
     block_size: int = Field(default=32, gt=0)
     hash_unit: int = Field(default=1, gt=0)
     divergence_grid: int | None = Field(default=None, ge=0)  # None: the connector's auto (a quarter block)
+    take_every_hit: bool = False  # the kvtool connector's cost model off (generated models: see PairOptions)
     store: StoreChoice = "embedded"
     connector: ConnectorChoice = "kvtool"
     roles: RolesChoice = "pd"
@@ -181,6 +182,7 @@ def kv_transfer_config(cfg: ServePairConfig, role: Role) -> dict[str, Any] | Non
         # With roles "both" the decoding engine saves its answers, so a chat's next turn reuses them.
         save_answers=cfg.roles == "both",
         divergence_grid=cfg.divergence_grid,
+        take_every_hit=cfg.take_every_hit,
     )
     return cfg.profile.kv_transfer_config(settings)
 

@@ -47,6 +47,7 @@ from connector.objects import HEADER_SIZE, pointer_size
 from connector.prefix import PromptKeys, plan_save
 from connector.saveplans import save_transfer
 from connector.saver import ObjectCopy, Saver, SaveJob
+from connector.staging import Lease, Region, StagingArea
 from connector.search import StoredPrefix, find_stored_prefixes
 from connector.store import KVStore, PutOutcome, open_store
 from connector.worker import WorkerSide
@@ -155,6 +156,17 @@ class CallLog:
         with self._timed("pointers", len(items)):
             return self._store.put_many(items, replace)
 
+    def register(self, address: int, nbytes: int) -> None:
+        self._store.register(address, nbytes)
+
+    def get_into(self, keys: Sequence[str], regions: Sequence[Region], lease: Lease) -> list[int]:
+        with self._timed("get", len(keys)):
+            return self._store.get_into(keys, regions, lease)
+
+    def put_from(self, items: Sequence[tuple[str, Region]], lease: Lease) -> list[PutOutcome]:
+        with self._timed("objects", len(items)):
+            return self._store.put_from(items, lease)
+
     def remove(self, key: str) -> int:
         return self._store.remove(key)
 
@@ -166,28 +178,32 @@ class CallLog:
         self.keys.clear()
 
 
-def save_job(setting: Setting, worker: WorkerSide, tokens: Sequence[int], number: int) -> SaveJob:
-    """A save as the worker hands it to the put thread: its objects copied (zeros of a block object's
-    size), each with its pointer records built by the worker."""
+def save_job(setting: Setting, worker: WorkerSide, tokens: Sequence[int], number: int, area: StagingArea) -> SaveJob:
+    """A save as the worker hands it to the put thread: its objects copied into staging slots (a block
+    object's size, as the engine's step leaves them), each with its pointer records built by the worker."""
     keys = setting.keys(tokens)
     transfers = tuple(save_transfer(keys, ref, block_id) for block_id, ref in enumerate(plan_save(keys)))
     save = RequestSave(f"bench-{number}", transfers, prompt_tokens=len(tokens))
-    value = bytes(setting.object_bytes)
+    lease = area.take(len(transfers))
+    assert lease is not None, "the staging area holds one save"
     copies = [
-        ObjectCopy(index, worker._key(transfer), value, worker._pointers(transfer))  # noqa: SLF001
+        ObjectCopy(index, worker._key(transfer), lease.region(index), worker._pointers(transfer))  # noqa: SLF001
         for index, transfer in enumerate(transfers)
     ]
     ns_key = setting.namespace.key_component()
-    return SaveJob(save, copies, lambda seq: watermark_key(ns_key, save.watermark_id, seq))
+    return SaveJob(save, copies, lambda seq: watermark_key(ns_key, save.watermark_id, seq), lease)
 
 
 def timed_saves(setting: Setting, log: CallLog, prompts: Sequence[list[int]]) -> list[Counter[str]]:
     """The put thread's work (``Saver._run``) for each prompt's save: its time in all and per call kind."""
     worker = WorkerSide(setting.namespace, None, DEFAULTS, saves_enabled=False)
-    saver = Saver(log, budget_bytes=1 << 40, drain_timeout_s=1.0)
+    most = max(len(plan_save(setting.keys(tokens))) for tokens in prompts)
+    area = StagingArea("bench", setting.object_bytes, most)
+    log.register(area.address, area.nbytes)
+    saver = Saver(log, area=area, drain_timeout_s=1.0)
     spent = []
     for number, tokens in enumerate(prompts):
-        job = save_job(setting, worker, tokens, number)
+        job = save_job(setting, worker, tokens, number, area)
         log.clear()
         start = time.perf_counter_ns()
         saver._run(job)  # noqa: SLF001 - the put thread's body for one save, on this thread to time it

@@ -105,6 +105,14 @@ def prompt_command(
     ] = None,
     verify: Annotated[bool, typer.Option("--verify/--no-verify", help="read and check every stored object")] = True,
     all_boundaries: Annotated[bool, typer.Option("--all-boundaries", help="list every tail boundary")] = False,
+    cost: Annotated[
+        str | None,
+        typer.Option(
+            "--cost",
+            metavar="LOAD_MS,MB_PER_S,PREFILL_US",
+            help='an engine\'s cost model (its "kvtool: cost model" log line): would it take the hit?',
+        ),
+    ] = None,
     as_json: LegacyJsonFlag = False,
 ) -> None:
     """Which of a prompt's block and tail keys are stored, the hit a consumer would get now, and why misses miss."""
@@ -114,10 +122,13 @@ def prompt_command(
 
     output = output_options.with_legacy_json_flag(as_json)
     output.check()
+    from kvtool.inspect.cost import parse_cost
+
+    model_costs = parse_cost(cost) if cost is not None else None
     target = resolve_target(admin, pair, master)
     ids = prompt_tokens(tokens, text, file, model or target.model)
     report = prompt_report(
-        target, ids, namespace, block_size, hash_unit, cache_salt, request_id or [], verify, all_boundaries
+        target, ids, namespace, block_size, hash_unit, cache_salt, request_id or [], verify, all_boundaries, model_costs
     )
     emit(report, output)
 

@@ -158,6 +158,15 @@ class PairOptions:
             "one finds their common prefix rounded down to it; 1 = exact, 0 = off \\[default: block size / 4]"
         ),
     ] = None
+    take_every_hit: Annotated[
+        bool | None,
+        _pair(
+            "kvtool connector: take every hit (--take-every-hit), or only hits whose load its cost model predicts "
+            "to cost less than the prefill they save (--skip-unprofitable-loads) \\[default: take every hit on a "
+            "generated model, whose prefill costs microseconds a token, so that reuse shows; judge with --model]",
+            "--take-every-hit/--skip-unprofitable-loads",
+        ),
+    ] = None
     store: Annotated[
         str,
         _pair(
@@ -255,6 +264,7 @@ class PairOptions:
                 block_size=self.block_size,
                 hash_unit=self.hash_unit,
                 divergence_grid=self.divergence_grid,
+                take_every_hit=self.model is None if self.take_every_hit is None else self.take_every_hit,
                 store=self.store,
                 connector=self.connector,
                 roles=self.roles,

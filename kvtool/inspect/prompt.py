@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 from connector.config import EXTEND_MIN_TOKENS, has_lead_pointers
 from connector.hashing import RequestIdentity, save_tail_boundary
@@ -24,6 +25,9 @@ from kvtool import admin
 from kvtool.errors import UserError
 from kvtool.report import Report, ReportTable
 from kvtool.inspect.target import Target, open_reader
+
+if TYPE_CHECKING:
+    from connector.profit import CostModel
 
 NEVER_STORED = "never stored"
 EVICTED = "evicted or expired"
@@ -301,30 +305,12 @@ def read_checks(target: Target, keys: PromptKeys, stored_keys: Iterable[tuple[Ke
     return failures
 
 
-def prompt_report(
-    target: Target,
-    tokens: list[int],
-    namespace: str | None,
-    block_size: int | None,
-    hash_unit: int | None,
-    cache_salt: str | None,
-    request_ids: list[str],
-    verify: bool,
-    show_all: bool,
-) -> Report:
-    from kvtool.inspect.keys import describe_key, namespaces
+def _coverage(
+    target: Target, chosen: str, keys: PromptKeys, every: list[str], request_ids: list[str], notes: list[str]
+) -> list[Coverage]:
+    """What the producers' watermark records say they stored of this prompt: the records of the given
+    requests, else every record whose last block or tail key is this prompt's."""
     from kvtool.inspect.watermarks import read_watermarks
-
-    block_size = block_size or target.block_size
-    if not block_size:
-        raise UserError("the block size is not known: give --block-size or --pair READY_FILE")
-    hash_unit = hash_unit or target.hash_unit or 1
-    every = admin.all_keys(target.admin)
-    chosen = choose_namespace(namespace, namespaces(describe_key(k) for k in every))
-    root = RequestIdentity(cache_salt=cache_salt).root_hash()
-    grid = target.divergence_grid or 0  # lead pointers as the connector puts them, at its default
-    keys = PromptKeys.build(tokens, block_size, hash_unit, chosen, root, None, grid, has_lead_pointers(grid))
-    notes: list[str] = []
 
     coverage: list[Coverage] = []
     has_watermarks = any((d := decode_key(k)) is not None and d.kind is KeyKind.WATERMARK for k in every)
@@ -345,6 +331,47 @@ def prompt_report(
             matched = record_coverage(item.record, keys) if item.record is not None else None
             if matched is not None:
                 coverage.append(matched)
+    return coverage
+
+
+def _cost_summary(target: Target, keys: PromptKeys, result: PromptInspection, cost: CostModel) -> dict[str, object]:
+    """What the connector's cost model (an engine's figures) would load of the hit, and why."""
+    from kvtool.inspect.cost import cost_verdict
+
+    in_hit = [b.key for b in result.boundaries if b.in_hit and b.kind in ("block", "tail")]
+    sizes = [size for size in admin.object_sizes(target.admin, in_hit[:1]).values() if size] if in_hit else []
+    if not sizes:
+        return {"cost_taken_tokens": result.hit_tokens, "cost_verdict": "no stored object of the hit to weigh"}
+    taken, why = cost_verdict(result.hit_tokens, keys.block_size, sizes[0], cost)
+    return {"cost_taken_tokens": taken, "cost_verdict": why}
+
+
+def prompt_report(
+    target: Target,
+    tokens: list[int],
+    namespace: str | None,
+    block_size: int | None,
+    hash_unit: int | None,
+    cache_salt: str | None,
+    request_ids: list[str],
+    verify: bool,
+    show_all: bool,
+    cost: CostModel | None = None,
+) -> Report:
+    from kvtool.inspect.keys import describe_key, namespaces
+
+    block_size = block_size or target.block_size
+    if not block_size:
+        raise UserError("the block size is not known: give --block-size or --pair READY_FILE")
+    hash_unit = hash_unit or target.hash_unit or 1
+    every = admin.all_keys(target.admin)
+    chosen = choose_namespace(namespace, namespaces(describe_key(k) for k in every))
+    root = RequestIdentity(cache_salt=cache_salt).root_hash()
+    grid = target.divergence_grid or 0  # lead pointers as the connector puts them, at its default
+    keys = PromptKeys.build(tokens, block_size, hash_unit, chosen, root, None, grid, has_lead_pointers(grid))
+    notes: list[str] = []
+
+    coverage = _coverage(target, chosen, keys, every, request_ids, notes)
 
     present = frozenset(every)
     checks: dict[str, str] = {}
@@ -381,6 +408,9 @@ def prompt_report(
         for name in ("namespace", "prompt_tokens", "hit_tokens", "block_hit_tokens", "tail_hit_tokens")
         + ("loadable_hit_tokens", "stored_prefix_tokens", "save_tail_boundary")
     }
+    if cost is not None:
+        summary.update(_cost_summary(target, keys, result, cost))
+        payload.update(summary)
     return Report(
         tables=[
             ReportTable(

@@ -11,6 +11,7 @@ class ScriptedStore:
         self.fail_exists = False
         self.fail_get = False
         self.put_outcome_for = lambda key: PutOutcome.STORED  # key -> outcome
+        self.registered: list[tuple[int, int]] = []
 
     def exists(self, keys):
         if self.fail_exists:
@@ -34,6 +35,25 @@ class ScriptedStore:
                 self.objects.pop(key, None)
         outcomes = [self.put(key, value) for key, value in items]
         return next((o for o in outcomes if o is not PutOutcome.STORED), PutOutcome.STORED)
+
+    def register(self, address, nbytes):
+        self.registered.append((address, nbytes))
+
+    def get_into(self, keys, regions, lease):
+        if self.fail_get:
+            raise StoreError("object load failed: transfer failed (-800)")
+        counts = []
+        for key, region in zip(keys, regions, strict=True):
+            value = self.objects.get(key)
+            if value is None or len(value) > len(region.view):
+                counts.append(-704)  # not found (Mooncake's code); a value too large fails alike
+                continue
+            region.view[: len(value)] = value
+            counts.append(len(value))
+        return counts
+
+    def put_from(self, items, lease):
+        return [self.put(key, bytes(region.view)) for key, region in items]
 
     def close(self):
         pass

@@ -1,6 +1,7 @@
-"""Loads are bounded by bytes in flight, and a load that cannot start now waits its turn instead of
-failing: concurrent hits against a healthy store are all loaded. A hung store still costs only a
-bounded wait (queued loads fail when their turn does not come within the load time-out)."""
+"""Loads are bounded by the load staging area's slots, and a load that cannot start now waits its turn
+instead of failing: concurrent hits against a healthy store are all loaded. A hung store still costs
+only a bounded wait (queued loads fail when their turn does not come within the load time-out), and
+memory the store client may still write into is never handed to another load."""
 
 from __future__ import annotations
 
@@ -10,21 +11,27 @@ from connector.calls import BoundedCalls
 from connector.data import BlockTransfer, RequestLoad
 from connector.keys import KeyKind
 from connector.loader import Loader
+from connector.staging import StagingArea
 
-OBJECT_BYTES = 1000
+OBJECT_BYTES = 1024  # a slot (a multiple of the slot alignment)
 
 
 class GatedStore:
-    """Answers every get once the gate opens (a slow but healthy store)."""
+    """Answers every get once the gate opens (a slow but healthy store): each object is its key."""
 
     def __init__(self):
         self.gate = threading.Event()
         self.gets = 0
 
-    def get(self, keys, object_bytes=0):
+    def get_into(self, keys, regions, lease):
         self.gets += 1
         self.gate.wait(30)
-        return [key.encode() for key in keys]
+        for key, region in zip(keys, regions, strict=True):
+            region.view[: len(key)] = key.encode()
+        return [len(key) for key in keys]
+
+    def close(self):
+        pass
 
 
 class Clock:
@@ -43,17 +50,16 @@ def load(req_id: str, objects: int = 1, first_block: int = 0) -> RequestLoad:
     return RequestLoad(req_id, tuple(transfer(first_block + i) for i in range(objects)))
 
 
-def loader(store, *, budget_bytes=10 * OBJECT_BYTES, threads=2, clock=None):
+def loader(store, *, slots=10, threads=2, clock=None):
     written = []
     calls = BoundedCalls("test-load", limit=threads)
     instance = Loader(
         store,
         key_of=lambda t: f"k{t.block_id}",
         header_of=lambda t: None,  # unused: verification is patched out below
-        object_bytes=lambda: OBJECT_BYTES,
         write_block=lambda t, payload: written.append((t.block_id, bytes(payload))),
         timeout_s=10,
-        budget_bytes=budget_bytes,
+        area=StagingArea("load", OBJECT_BYTES, slots),
         calls=calls,
         **({"clock": clock} if clock else {}),
     )
@@ -99,10 +105,10 @@ def test_more_concurrent_hits_than_threads_all_load(monkeypatch):
         calls.shutdown()
 
 
-def test_bytes_in_flight_stay_within_the_budget(monkeypatch):
+def test_bytes_in_flight_stay_within_the_area(monkeypatch):
     accept_any(monkeypatch)
     store = GatedStore()
-    instance, calls, _ = loader(store, budget_bytes=3 * OBJECT_BYTES, threads=4)
+    instance, calls, _ = loader(store, slots=3, threads=4)
     try:
         instance.start(load("a", 2))
         instance.start(load("b", 2))  # 4 objects would not fit: it waits although threads are free
@@ -116,16 +122,22 @@ def test_bytes_in_flight_stay_within_the_budget(monkeypatch):
         calls.shutdown()
 
 
-def test_one_load_larger_than_the_budget_still_runs_alone(monkeypatch):
+def test_one_load_larger_than_the_area_still_runs_alone(monkeypatch):
     accept_any(monkeypatch)
     store = GatedStore()
-    store.gate.set()
-    instance, calls, written = loader(store, budget_bytes=OBJECT_BYTES)
+    instance, calls, written = loader(store, slots=1)
     try:
-        instance.start(load("big", 5))
-        received, failed = finish_all(instance, {"big"})
-        assert failed == {} and len(written) == 5
+        instance.start(load("big", 5))  # a buffer of its own: nothing else is in flight
+        instance.start(load("next", first_block=10))  # fits the area
+        instance.start(load("big2", 5, first_block=20))  # waits: a buffer of its own only when all is free
+        assert instance.held_bytes == 6 * OBJECT_BYTES
+        store.gate.set()
+        received, failed = finish_all(instance, {"big", "next", "big2"})
+        assert failed == {} and len(written) == 11
+        assert sorted(written)[:5] == [(block, f"k{block}".encode()) for block in range(5)]
+        assert instance.held_bytes == 0 and instance.area.oversize == 2
     finally:
+        store.gate.set()
         calls.shutdown()
 
 
@@ -155,3 +167,30 @@ def test_a_hung_store_fails_started_and_waiting_loads_after_the_time_out_and_hol
     finally:
         store.gate.set()
         calls.shutdown()
+
+
+def test_a_load_the_store_time_out_gave_up_on_keeps_its_slots_until_the_client_returns(monkeypatch):
+    """The store's time-out stops waiting, not the client's call: its slots must not go to the next
+    load while the client may still write into them (that load would read another object's bytes)."""
+    from connector.config import KVToolConfig
+    from connector.store import TimedStore
+
+    accept_any(monkeypatch)
+    backend = GatedStore()
+    timed = TimedStore(backend, KVToolConfig(master_server_address="127.0.0.1:1", load_timeout_s=0.05))
+    instance, calls, written = loader(timed, slots=1)
+    try:
+        instance.start(load("late"))
+        received, failed = finish_all(instance, {"late"})
+        assert failed["late"][1].cause == "store_error" and "timed out" in failed["late"][1].detail
+        assert instance.held_bytes == OBJECT_BYTES, "the client may still write into the slot"
+        instance.start(load("next", first_block=7))
+        assert backend.gets == 1, "the next load waits for the slot"
+        backend.gate.set()
+        received, failed = finish_all(instance, {"next"})
+        assert failed == {} and written == [(7, b"k7")]
+        assert instance.held_bytes == 0
+    finally:
+        backend.gate.set()
+        calls.shutdown()
+        timed.close()

@@ -1,4 +1,4 @@
-"""Saves in bounded memory that stop at their first failed put, and loads that never hold the engine."""
+"""Saves in bounded memory whose watermark stops at their first failed put, and loads that never hold the engine."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def test_saves_beyond_the_budget_are_dropped_and_counted_and_the_engine_never_wa
     # 85 tokens: 3 objects (two blocks, a tail). Then 100 tokens: 4 objects, of which none fits.
     side.wait_for_save(KVToolMetadata(saves=[prompt_save("a", 0, 85, [1, 2, 3])]))
     side.wait_for_save(KVToolMetadata(saves=[prompt_save("b", 1000, 100, [4, 5, 6, 7])]))
-    assert side._saver.held_bytes == budget  # never more than the budget
+    assert side._saver.area.free_slots == 0 and side._saver.area.slots == 3  # never more than the budget
     store.release.set()
     side.shutdown()
     stats = side.take_stats()
@@ -77,7 +77,7 @@ def test_a_save_that_half_fits_keeps_its_leading_blocks_and_its_watermark_stops_
     assert not any("/t/" in key for key in store.objects)
 
 
-def test_a_save_stops_at_its_first_failed_put():
+def test_a_save_is_durable_only_up_to_its_first_failed_put():
     store = ScriptedStore()
     tried = []
     store.put_outcome_for = lambda key: (
@@ -88,8 +88,9 @@ def test_a_save_stops_at_its_first_failed_put():
     side.wait_for_save(KVToolMetadata(saves=[prompt_save("a", 0, 85, [1, 2, 3])]))
     side.shutdown()
     data = [key for key in tried if "/w/" not in key]
-    assert len(data) == 1  # block 0 failed: block 1 and the tail were never sent
-    assert side.take_stats()["saves_skipped_after_failure"] == 2
+    assert len(data) == 3  # one batch: block 1 and the tail went with block 0 (unreachable without it)
+    stats = side.take_stats()
+    assert (stats["saves_no_space"], stats["saves_stored"]) == (1, 2)
     assert records(store)[1].durable_offset == 0
 
 
@@ -152,9 +153,9 @@ def test_a_load_that_does_not_answer_in_time_fails_its_request_only_and_its_late
     saver.shutdown()
 
     class SlowStore(ScriptedStore):
-        def get(self, keys, object_bytes=0):
+        def get_into(self, keys, regions, lease):
             release.wait()
-            return store.get(keys, object_bytes)
+            return store.get_into(keys, regions, lease)
 
     clock = Clock()
     target = kv_caches("zeros")

@@ -54,3 +54,30 @@ def test_faults_wrap_the_interface(tmp_path):
     assert store.put("kvtool/2/ns/0/b/64/cc", b"x") is PutOutcome.STORED
     plan.write_text("{not json")  # a half-written plan injects nothing
     assert store.get(["kvtool/2/ns/0/b/32/aa"]) == [b"0123456789"]
+
+
+def test_faults_wrap_the_zero_copy_batches_too(tmp_path):
+    from connector.staging import StagingArea
+
+    backend = ScriptedStore()
+    backend.objects["kvtool/2/ns/0/b/32/aa"] = bytes(range(32))
+    plan = tmp_path / "faults.json"
+    store = FaultyStore(backend, str(plan))
+    area = StagingArea("test", 64, 2)
+    lease = area.take(2)
+    keys = ["kvtool/2/ns/0/b/32/aa", "kvtool/2/ns/0/p/40/aa"]
+
+    def read():
+        return store.get_into(keys, [lease.region(0), lease.region(1)], lease)
+
+    assert read()[0] == 32 and bytes(lease.region(0, 32).view) == bytes(range(32))
+    plan.write_text(json.dumps({"corrupt_get": "truncate"}))
+    assert read()[0] == 16  # what a torn read reports; the object check rejects it
+    plan.write_text(json.dumps({"corrupt_get": "flip", "get_kinds": ["b"]}))
+    assert read()[0] == 32 and lease.region(0, 32).view[31] == 30
+    plan.write_text(json.dumps({"fail_get": True}))
+    assert all(count <= 0 for count in read())
+    plan.write_text(json.dumps({"put_outcome": "no_space", "put_kinds": ["t"]}))
+    items = [("kvtool/2/ns/0/t/20/bb", lease.region(0, 3)), ("kvtool/2/ns/0/b/64/cc", lease.region(1, 5))]
+    assert store.put_from(items, lease) == [PutOutcome.NO_SPACE, PutOutcome.STORED]
+    assert "kvtool/2/ns/0/t/20/bb" not in backend.objects and len(backend.objects["kvtool/2/ns/0/b/64/cc"]) == 5

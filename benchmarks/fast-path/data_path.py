@@ -1,0 +1,205 @@
+"""The connector's data path against the raw store, side by side in one run.
+
+A real-size block (Llama-3-8B-like: 32 layers, 8 KV heads of 128, bfloat16, block 16: 2 MiB a block)
+and a save or load of ``--blocks`` blocks. A loopback ``mooncake_master``, a second process that lends
+the store its only segment (so every transfer crosses processes, as between a producer and a
+consumer), and this process as the engine, which lends nothing. In every round, interleaved:
+
+- raw put: ``batch_put_from`` of the objects' bytes from a registered buffer (the floor a connector
+  can reach with these calls);
+- connector save: ``WorkerSide.wait_for_save`` (the engine step's copy into the save staging area)
+  until the put thread has put every object (existence query, checksums and headers, one
+  ``batch_put_from``);
+- raw get: ``batch_get_into`` of those objects into a registered buffer;
+- connector load: ``WorkerSide.start_load_kv`` until ``get_finished`` reports the request (one
+  ``batch_get_into`` into the load staging area, every header and checksum checked, every block copied
+  into the KV cache).
+
+MB/s per path, the median of ``--rounds`` rounds; ``save_vs_raw`` and ``load_vs_raw`` are the ratios.
+
+    .venv/bin/python benchmarks/fast-path/data_path.py [--blocks 48] [--rounds 5] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.update({"MC_TCP_BIND_ADDRESS": "127.0.0.1", "VLLM_HOST_IP": "127.0.0.1"})
+
+import torch  # noqa: E402
+
+from lookup_latency import start_master  # noqa: E402 - the sibling script
+from connector.config import load_config  # noqa: E402
+from connector.data import BlockTransfer, KVToolMetadata, RequestLoad, RequestSave  # noqa: E402
+from connector.keys import Namespace  # noqa: E402
+from connector.objects import HEADER_SIZE  # noqa: E402
+from connector.prefix import PromptKeys, plan_save  # noqa: E402
+from connector.store import open_store  # noqa: E402
+from connector.worker import WorkerSide  # noqa: E402
+
+LAYERS, HEADS, DIM, BLOCK = 32, 8, 128, 16
+NS = Namespace(model="bench", dtype="bfloat16", kv_layout="bench", block_size=BLOCK, num_layers=LAYERS,
+               num_kv_heads=HEADS, head_size=DIM)  # fmt: skip
+OWNER = """
+import os, sys, time
+os.environ["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"
+from mooncake.store import MooncakeDistributedStore
+client = MooncakeDistributedStore()
+code = client.setup("127.0.0.1", "P2PHANDSHAKE", int(sys.argv[2]), 16 << 20, "tcp", "", sys.argv[1])
+print(code, flush=True)
+sys.stdin.read()  # lend the segment until the benchmark closes stdin
+"""
+
+
+def segment_owner(master: str, nbytes: int) -> subprocess.Popen:
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, master, str(nbytes)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)  # fmt: skip
+    if owner.stdout.readline().strip() != "0":
+        raise RuntimeError("the segment owner could not join the store")
+    return owner
+
+
+def engine(config, blocks: int) -> tuple[WorkerSide, dict[str, torch.Tensor]]:
+    caches = {f"layer.{i}": torch.randn(blocks + 1, 2, HEADS, BLOCK, DIM).to(torch.bfloat16) for i in range(LAYERS)}
+    side = WorkerSide(NS, open_store(config), config, saves_enabled=True)
+    side.register_kv_caches(caches, [list(caches)], blocks + 1)
+    return side, caches
+
+
+def save_of(round_number: int, blocks: int) -> RequestSave:
+    tokens = [(round_number * 7919 + i) % 50_000 for i in range(blocks * BLOCK)]
+    keys = PromptKeys.build(tokens, BLOCK, 1, NS.key_component(), round_number.to_bytes(16, "little"))
+    transfers = tuple(BlockTransfer(ref.block_index + 1, ref.kind, ref.token_start, ref.token_end, ref.chain_hash)
+                      for ref in plan_save(keys))  # fmt: skip
+    return RequestSave(f"save-{round_number}", transfers, prompt_tokens=len(tokens), checkpoint=True)
+
+
+def wait(predicate, what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not end within {timeout_s} s")
+        time.sleep(0.0005)
+
+
+def connector_save(side: WorkerSide, save: RequestSave) -> float:
+    area = side._saver.area  # noqa: SLF001 - the put has returned when its slots are back
+    start = time.perf_counter()
+    side.wait_for_save(KVToolMetadata(saves=[save]))
+    wait(lambda: area.free_slots == area.slots, "a save")
+    return time.perf_counter() - start
+
+
+def connector_load(side: WorkerSide, save: RequestSave) -> float:
+    load = RequestLoad(f"load-{save.req_id}", save.transfers)
+    start = time.perf_counter()
+    side.start_load_kv(KVToolMetadata(loads=[load]))
+    done: list[tuple[set[str], set[str]]] = []
+    wait(lambda: bool(done.append(side.get_finished()) or done[-1][0]), "a load")
+    elapsed = time.perf_counter() - start
+    if done[-1][1]:
+        raise RuntimeError(f"the connector's load failed: {side.take_stats()}")
+    return elapsed
+
+
+class Raw:
+    """The floor: the same objects, straight between the store and a registered buffer."""
+
+    def __init__(self, client, count: int, size: int):
+        self.client, self.count, self.size = client, count, size
+        self.source = torch.randint(0, 255, (count * size,), dtype=torch.uint8)
+        self.target = torch.zeros(count * size, dtype=torch.uint8)
+        for buffer in (self.source, self.target):
+            if client.register_buffer(buffer.data_ptr(), buffer.numel()) != 0:
+                raise RuntimeError("could not register the raw buffers")
+
+    def _args(self, buffer: torch.Tensor, round_number: int) -> tuple[list[str], list[int], list[int]]:
+        keys = [f"raw/{round_number}/{i}" for i in range(self.count)]
+        return keys, [buffer.data_ptr() + i * self.size for i in range(self.count)], [self.size] * self.count
+
+    def put(self, round_number: int) -> float:
+        start = time.perf_counter()
+        codes = self.client.batch_put_from(*self._args(self.source, round_number))
+        elapsed = time.perf_counter() - start
+        if any(code != 0 for code in codes):
+            raise RuntimeError(f"raw put failed: {sorted(set(codes))}")
+        return elapsed
+
+    def get(self, round_number: int) -> float:
+        start = time.perf_counter()
+        counts = self.client.batch_get_into(*self._args(self.target, round_number))
+        elapsed = time.perf_counter() - start
+        if any(count != self.size for count in counts):
+            raise RuntimeError(f"raw get failed: {sorted(set(counts))}")
+        return elapsed
+
+
+def measure(blocks: int, rounds: int) -> dict:
+    block_bytes = LAYERS * 2 * HEADS * BLOCK * DIM * 2
+    object_bytes = HEADER_SIZE + block_bytes
+    total = blocks * object_bytes
+    process, master = start_master()
+    owner = segment_owner(master, (4 * rounds + 4) * total)
+    try:
+        config = load_config({"master_server_address": master, "global_segment_size": 0,
+                              "save_buffer_bytes": total, "load_buffer_bytes": total, "load_timeout_s": 60,
+                              "save_timeout_s": 60})  # fmt: skip
+        side, _ = engine(config, blocks)
+        raw = Raw(side._store._store._client, blocks, object_bytes)  # noqa: SLF001 - the same client
+        spent: dict[str, list[float]] = {"raw_put": [], "connector_save": [], "raw_get": [], "connector_load": []}
+        for number in range(rounds + 1):  # round 0 warms every path up (first-touch pages, connections)
+            save = save_of(number, blocks)
+            times = {"raw_put": raw.put(number), "connector_save": connector_save(side, save),
+                     "raw_get": raw.get(number), "connector_load": connector_load(side, save)}  # fmt: skip
+            for name, seconds in times.items():
+                if number:
+                    spent[name].append(seconds)
+        stats = side.take_stats()
+        side.shutdown()
+    finally:
+        owner.stdin.close()
+        owner.wait(timeout=30)
+        process.kill()
+        process.wait()
+    mb_s = {name: round(total / 1e6 / statistics.median(values), 1) for name, values in spent.items()}
+    return {
+        "mb_per_s": mb_s,
+        "save_vs_raw": round(mb_s["connector_save"] / mb_s["raw_put"], 3),
+        "load_vs_raw": round(mb_s["connector_load"] / mb_s["raw_get"], 3),
+        "seconds": {name: [round(v, 4) for v in values] for name, values in spent.items()},
+        "connector_counts": {k: v for k, v in stats.items() if k.startswith(("saves_", "objects_", "bytes_", "load"))},
+        "object_bytes": object_bytes,
+        "objects": blocks,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--blocks", type=int, default=48)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    result = measure(args.blocks, args.rounds)
+    result["configuration"] = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "layout": {"layers": LAYERS, "kv_heads": HEADS, "head_size": DIM, "block": BLOCK, "dtype": "bfloat16"},
+        "transport": "Mooncake TCP over loopback, the segment in a second process",
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+        "head": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+    }
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""The save of prompt + answer at a request's end (``save_answers``): what a decoding engine publishes
+so that a chat's next turn reuses the answer too."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from .data import RequestSave
+from .groups import NULL_BLOCK_ID
+from .prefix import plan_save
+from .saveplans import last_put_key, save_transfer
+from .tracking import KeySpace, TrackedRequest
+
+
+def plan_answer_save(
+    tracked: TrackedRequest,
+    block_ids: tuple[list[int], ...] | None,
+    space: KeySpace,
+    *,
+    has_state_group: bool,
+    stats: Counter[str],
+) -> RequestSave | None:
+    """Every object of the tokens whose KV the request computed (the last generated token has none)
+    that is not known stored, from the request's current blocks, which vLLM keeps until the worker has
+    copied them (``finished_sending``). Records what it planned on ``tracked``; counts in ``stats``.
+
+    Decoded KV is what a prefill of the same tokens computes, so the next turn, which extends
+    prompt + answer, hits all of it, on any engine."""
+    request = tracked.request
+    if tracked.unhashable or block_ids is None:
+        return None
+    if getattr(request, "num_output_tokens", 0) <= 0 or not tracked.keys.tokens:
+        return None  # never ran (an abort while waiting for its load): its blocks may hold nothing
+    if tracked.loading:
+        # Finished while its load (after a preemption) still fills its blocks: they hold nothing yet.
+        stats["answer_saves_skipped_loading"] += 1
+        return None
+    in_flight = getattr(request, "num_in_flight_tokens", 0)
+    if in_flight and has_state_group:
+        # A step still in flight has moved the running state past the last final token: no state
+        # for the answer's end, and without it no hit can use the answer's other objects.
+        stats["answer_saves_skipped_in_flight"] += 1
+        return None
+    computed = request.num_computed_tokens - in_flight
+    done = len(tracked.keys.tokens) if tracked.save_scheduled else 0
+    if computed <= max(done, 1):
+        return None
+    # The prompt as it was hashed (vLLM zeroes prompt-embedding positions in all_token_ids), then the answer.
+    tokens = [*tracked.keys.tokens, *getattr(request, "output_token_ids", ())][:computed]
+    keys = space.keys(tokens, tracked.keys.root)
+    stored = tracked.stored.present if tracked.stored is not None and tracked.load_failure is None else frozenset()
+    known = stored | tracked.saved_keys
+    usable = []
+    for ref in plan_save(keys):
+        ids = block_ids[ref.group] if ref.group < len(block_ids) else []
+        if ref.key in known or ref.block_index >= len(ids) or ids[ref.block_index] == NULL_BLOCK_ID:
+            continue  # stored already, or a block a sliding window gave up
+        usable.append((ref, ids[ref.block_index]))
+    if not usable:
+        return None
+    transfers = tuple(save_transfer(keys, ref, block_id) for ref, block_id in usable)
+    tracked.answer_tokens, tracked.answer_objects = computed, len(usable)
+    tracked.answer_last_key = last_put_key(keys, [ref for ref, _ in usable])
+    stats["answer_saves"] += 1
+    params = getattr(request, "kv_transfer_params", None) or {}
+    return RequestSave(request.request_id, transfers, prompt_tokens=computed, tag=params.get("kvtool_tag"), answer=True)

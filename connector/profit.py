@@ -1,0 +1,216 @@
+"""Whether a hit pays for itself: a load's predicted time against the prefill it saves (pure).
+
+A hit is loaded asynchronously: its request waits while the load runs, then is scheduled. Taking it is
+worth it when that wait is shorter than the prefill of the tokens it saves. Both sides are fitted from
+the engine's own measurements, sent by the worker with each step's metadata: every load's bytes, its
+transfer time, and its request's whole wait (from the step that started it to the step that reported
+it: the transfer plus the steps it spans), and every forward pass's scheduled tokens and duration. A
+load is predicted as the wait beyond its transfer (an average) plus a transfer fitted against bytes.
+A model that has not seen enough of either yet takes every hit.
+
+The choice is between the whole hit, the hit trimmed to its last full block (the partial block's
+object dropped: loading a whole block to save a few tokens can cost more than it saves), and no load
+at all; the one that saves the most time wins, and none is taken that saves nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from .objects import HEADER_SIZE
+from .prefix import LoadPlan, ObjectRef, PromptKeys, plan_load
+
+if TYPE_CHECKING:
+    from .search import StoredPrefix
+
+DESCRIBE_EVERY_S = 300.0
+MIN_SAMPLES = 4  # of each kind, before the model judges anything
+DECAY = 0.95  # weight of the older samples at each new one: the fit follows the engine's load
+# A store's transfer rate when every load seen had one size (so a per-call latency and a rate cannot be
+# told apart): Mooncake over TCP loopback, zero-copy (ENVIRONMENT.md: about 1.2 GB/s). The rest of
+# those loads' time is taken as a per-call latency.
+PRIOR_SECONDS_PER_BYTE = 1 / 1.2e9
+
+
+class LinearFit:
+    """``y = intercept + slope * x``, least squares over the samples with exponential forgetting."""
+
+    def __init__(self, decay: float = DECAY):
+        self._decay = decay
+        self._n = self._x = self._y = self._xx = self._xy = 0.0
+        self.samples = 0
+
+    def add(self, x: float, y: float) -> None:
+        d = self._decay
+        self._n = self._n * d + 1.0
+        self._x = self._x * d + x
+        self._y = self._y * d + y
+        self._xx = self._xx * d + x * x
+        self._xy = self._xy * d + x * y
+        self.samples += 1
+
+    @property
+    def ready(self) -> bool:
+        return self.samples >= MIN_SAMPLES
+
+    def mean(self) -> tuple[float, float]:
+        return (self._x / self._n, self._y / self._n) if self._n else (0.0, 0.0)
+
+    def fit(self) -> tuple[float, float] | None:
+        """(intercept, slope), or None where the samples do not determine them: their x hardly vary,
+        or the slope comes out negative (noise). A negative intercept is clamped to 0."""
+        if self._n == 0:
+            return None
+        mean_x, mean_y = self.mean()
+        var_x = self._xx / self._n - mean_x * mean_x
+        if var_x <= 0.01 * mean_x * mean_x or var_x <= 0:
+            return None
+        slope = (self._xy / self._n - mean_x * mean_y) / var_x
+        if slope < 0:
+            return None
+        intercept = mean_y - slope * mean_x
+        if intercept < 0:
+            return 0.0, self._xy / self._xx
+        return intercept, slope
+
+    def line(self) -> tuple[float, float]:
+        """(intercept, slope) where determined; else the mean as a constant."""
+        return self.fit() or (self.mean()[1], 0.0)
+
+
+class CostModel:
+    """The engine's load and prefill costs, as measured."""
+
+    def __init__(self) -> None:
+        self.load = LinearFit()  # seconds a load's transfer takes for x bytes
+        self.overhead = LinearFit()  # seconds a request waits beyond its load's transfer (x: 0)
+        self.prefill = LinearFit()  # seconds a forward pass takes for x scheduled tokens
+
+    def observe(self, loads: Iterable[tuple[int, float, float]], steps: Iterable[tuple[int, float]]) -> None:
+        for nbytes, transfer_s, wait_s in loads:
+            self.load.add(float(nbytes), transfer_s)
+            self.overhead.add(0.0, max(0.0, wait_s - transfer_s))
+        for tokens, seconds in steps:
+            if tokens > 0:
+                self.prefill.add(float(tokens), seconds)
+
+    @classmethod
+    def given(cls, load_fixed_ms: float, load_mb_per_s: float, prefill_us_per_token: float) -> CostModel:
+        """A model with these figures (an engine's, from its log line), for ``kvtool inspect``."""
+        model = cls()
+        per_byte = 1e-6 / load_mb_per_s if load_mb_per_s > 0 else 0.0
+        for n in range(1, MIN_SAMPLES + 1):
+            model.load.add(n * 1e6, n * 1e6 * per_byte)
+            model.overhead.add(0.0, load_fixed_ms * 1e-3)
+            model.prefill.add(n * 100.0, n * 100 * prefill_us_per_token * 1e-6)
+        return model
+
+    @property
+    def ready(self) -> bool:
+        """Enough loads seen, and forward passes of enough different sizes to price a token."""
+        return self.load.ready and self.prefill.ready and self.prefill.fit() is not None
+
+    def transfer(self) -> tuple[float, float]:
+        """(seconds per call, seconds per byte) of a load's transfer."""
+        fitted = self.load.fit()
+        if fitted is not None:
+            return fitted
+        mean_bytes, mean_s = self.load.mean()
+        return max(0.0, mean_s - mean_bytes * PRIOR_SECONDS_PER_BYTE), PRIOR_SECONDS_PER_BYTE
+
+    def load_s(self, nbytes: int) -> float:
+        per_call, per_byte = self.transfer()
+        return self.overhead.mean()[1] + per_call + per_byte * nbytes
+
+    def prefill_s(self, tokens: int) -> float:
+        """What ``tokens`` more tokens add to a forward pass (the slope: the pass runs anyway)."""
+        fitted = self.prefill.fit()
+        return fitted[1] * tokens if fitted is not None else 0.0
+
+    def describe(self) -> dict[str, float]:
+        load_fixed, load_per_byte = self.transfer()
+        load_fixed += self.overhead.mean()[1]
+        fitted = self.prefill.fit()
+        per_token = fitted[1] if fitted is not None else 0.0
+        return {
+            "load_fixed_ms": round(load_fixed * 1e3, 3),
+            "load_mb_per_s": round(1e-6 / load_per_byte, 1) if load_per_byte > 0 else 0.0,
+            "prefill_us_per_token": round(per_token * 1e6, 2),
+        }
+
+
+@dataclass(frozen=True)
+class Verdict:
+    plan: LoadPlan  # what to load (external_tokens 0: nothing)
+    skipped: str | None = None  # "unprofitable" (nothing taken) or "trimmed" (the partial block dropped)
+    detail: str = ""
+
+
+def judge(
+    plan: LoadPlan, trimmed: LoadPlan | None, object_bytes: Callable[[ObjectRef], int], model: CostModel
+) -> Verdict:
+    """The plan that saves the most time: ``plan``, ``trimmed`` (the hit cut at its last full block),
+    or nothing. Every hit is taken while the model is not ready."""
+    if plan.external_tokens == 0 or not model.ready:
+        return Verdict(plan)
+
+    def gain(candidate: LoadPlan) -> tuple[float, float, float]:
+        load = model.load_s(sum(object_bytes(ref) for ref in candidate.objects))
+        saved = model.prefill_s(candidate.external_tokens)
+        return saved - load, load, saved
+
+    whole = gain(plan)
+    best, best_gain = plan, whole
+    if trimmed is not None and 0 < trimmed.external_tokens < plan.external_tokens:
+        cut = gain(trimmed)
+        if cut[0] > whole[0]:
+            best, best_gain = trimmed, cut
+    if best_gain[0] <= 0:
+        detail = f"a load of {whole[1] * 1e3:.1f} ms would save {whole[2] * 1e3:.1f} ms of prefill"
+        return Verdict(LoadPlan(plan.local_tokens, 0, 0, 0, ()), "unprofitable", detail)
+    if best is trimmed:
+        detail = (
+            f"the last {plan.external_tokens - trimmed.external_tokens} tokens' block costs more to load than "
+            f"to compute ({whole[0] * 1e3:.1f} ms gained with it, {best_gain[0] * 1e3:.1f} ms without)"
+        )
+        return Verdict(trimmed, "trimmed", detail)
+    return Verdict(plan)
+
+
+class HitJudge:
+    """The scheduler side's judge: the engine's cost model, and what each group's object weighs."""
+
+    def __init__(self, block_bytes: tuple[int, ...], enabled: bool = True):
+        self.model = CostModel()
+        self._object_bytes = tuple(HEADER_SIZE + size for size in block_bytes)
+        self.enabled = enabled and bool(block_bytes)
+        self._described_at: float | None = None
+
+    def observe(
+        self, loads: Iterable[tuple[int, float, float]], steps: Iterable[tuple[int, float]], now: float
+    ) -> str | None:
+        """Fit the worker's measurements in; a line for the engine's log when the model is first ready,
+        then every ``DESCRIBE_EVERY_S`` (what ``kvtool inspect prompt --cost`` takes)."""
+        self.model.observe(loads, steps)
+        if not self.enabled or not self.model.ready:
+            return None
+        if self._described_at is not None and now - self._described_at < DESCRIBE_EVERY_S:
+            return None
+        self._described_at = now
+        d = self.model.describe()
+        return (
+            f"kvtool: cost model: a load waits {d['load_fixed_ms']} ms + {d['load_mb_per_s']} MB/s, prefill costs "
+            f"{d['prefill_us_per_token']} us a token (--cost {d['load_fixed_ms']},{d['load_mb_per_s']},"
+            f"{d['prefill_us_per_token']})"
+        )
+
+    def __call__(self, keys: PromptKeys, stored: StoredPrefix, local_tokens: int, plan: LoadPlan) -> Verdict:
+        if not self.enabled or plan.external_tokens == 0:
+            return Verdict(plan)
+        cut = stored.hit_tokens // keys.block_size * keys.block_size
+        trimmed = None
+        if local_tokens < cut < stored.hit_tokens:
+            trimmed = plan_load(keys, replace(stored, hit_tokens=cut, extended={}), local_tokens)
+        return judge(plan, trimmed, lambda ref: self._object_bytes[ref.group], self.model)

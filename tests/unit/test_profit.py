@@ -1,0 +1,102 @@
+"""The cost model: fitted from the engine's measurements, it drops loads that cost more than they save."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from connector.keys import KeyKind
+from connector.prefix import LoadPlan, ObjectRef
+from connector.profit import MIN_SAMPLES, PRIOR_SECONDS_PER_BYTE, CostModel, LinearFit, judge
+
+BLOCK_BYTES = 1_000_000
+
+
+def ref(block: int, kind: KeyKind = KeyKind.BLOCK, end: int | None = None) -> ObjectRef:
+    return ObjectRef(f"k{block}{kind.value}", 0, kind, block, block * 32, end or (block + 1) * 32, bytes(16))
+
+
+def plan(local: int, external: int, refs: list[ObjectRef]) -> LoadPlan:
+    return LoadPlan(local, external, 0, 0, tuple(refs))
+
+
+def model(load_fixed_s: float, mb_per_s: float, prefill_s_per_token: float) -> CostModel:
+    m = CostModel()
+    transfer = [(n * BLOCK_BYTES, n * BLOCK_BYTES / (mb_per_s * 1e6)) for n in range(1, MIN_SAMPLES + 2)]
+    loads = [(nbytes, seconds, seconds + load_fixed_s) for nbytes, seconds in transfer]
+    steps = [(t, 0.002 + t * prefill_s_per_token) for t in (1, 8, 64, 256, 512)]
+    m.observe(loads, steps)
+    return m
+
+
+def size(_ref: ObjectRef) -> int:
+    return BLOCK_BYTES
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.floats(min_value=0, max_value=0.1),
+    st.floats(min_value=1e-9, max_value=1e-3),
+    st.lists(st.integers(min_value=1, max_value=1 << 30), min_size=2, max_size=12, unique=True),
+)
+def test_a_fit_recovers_the_line_it_was_fed(intercept, slope, xs):
+    fit = LinearFit()
+    for x in xs:
+        fit.add(x, intercept + slope * x)
+    got_intercept, got_slope = fit.line()
+    assert abs(got_slope - slope) <= 1e-6 * slope + 1e-12
+    assert abs(got_intercept - intercept) <= 1e-6 + 1e-6 * intercept + slope * max(xs) * 1e-6
+
+
+def test_every_hit_is_taken_until_the_model_has_seen_enough():
+    m = CostModel()
+    m.observe([(BLOCK_BYTES, 10.0, 12.0)] * (MIN_SAMPLES - 1), [(64, 0.001)] * 10)
+    whole = plan(0, 5, [ref(0, KeyKind.TAIL, 5)])
+    assert judge(whole, None, size, m).plan is whole
+
+
+def test_a_load_that_costs_more_than_its_prefill_is_not_taken():
+    m = model(load_fixed_s=0.020, mb_per_s=1000, prefill_s_per_token=1e-5)  # GPU-like prefill
+    verdict = judge(plan(0, 40, [ref(0), ref(1, KeyKind.TAIL, 40)]), None, size, m)
+    assert verdict.skipped == "unprofitable" and verdict.plan.external_tokens == 0 and not verdict.plan.objects
+    assert "ms" in verdict.detail
+
+
+def test_a_partial_block_that_costs_more_than_its_tokens_is_trimmed_and_the_blocks_are_kept():
+    m = model(load_fixed_s=0.001, mb_per_s=1000, prefill_s_per_token=2e-4)  # a block's load ~1 ms
+    blocks = [ref(i) for i in range(4)]
+    whole = plan(0, 130, [*blocks, ref(4, KeyKind.TAIL, 130)])  # 2 tokens of a 5th block cost 1 ms to load
+    trimmed = plan(0, 128, blocks)
+    verdict = judge(whole, trimmed, size, m)
+    assert verdict.skipped == "trimmed" and verdict.plan is trimmed
+
+
+def test_a_profitable_hit_is_taken_whole():
+    m = model(load_fixed_s=0.001, mb_per_s=1000, prefill_s_per_token=2e-3)  # CPU-like prefill
+    whole = plan(0, 130, [*(ref(i) for i in range(4)), ref(4, KeyKind.TAIL, 130)])
+    verdict = judge(whole, plan(0, 128, [ref(i) for i in range(4)]), size, m)
+    assert verdict.skipped is None and verdict.plan is whole
+
+
+def test_the_model_describes_what_it_measured():
+    described = model(load_fixed_s=0.004, mb_per_s=500, prefill_s_per_token=3e-4).describe()
+    assert abs(described["load_fixed_ms"] - 4.0) < 0.01
+    assert abs(described["load_mb_per_s"] - 500) < 1
+    assert abs(described["prefill_us_per_token"] - 300) < 0.1
+
+
+def test_loads_of_one_size_still_tell_the_wait_from_the_transfer():
+    """A tiny model's loads are all one object: the wait beyond the transfer is a constant, not bytes."""
+    m = CostModel()
+    m.observe([(16_000, 0.0002, 0.004)] * 8, [(t, 0.001 + t * 6e-5) for t in (1, 8, 64, 256)])
+    assert abs(m.load_s(16_000) - 0.004) < 1e-9
+    # Ten times the bytes: one call's latency and one wait, ten objects' bytes at the prior rate.
+    assert abs(m.load_s(160_000) - (0.004 + 144_000 * PRIOR_SECONDS_PER_BYTE)) < 1e-9
+
+
+def test_forward_passes_of_one_size_cannot_price_a_token_so_every_hit_is_taken():
+    m = CostModel()
+    m.observe([(16_000, 0.0002, 0.004)] * 8, [(1, 0.003)] * 20)  # decode steps only
+    assert not m.ready
+    whole = plan(0, 5, [ref(0, KeyKind.TAIL, 5)])
+    assert judge(whole, None, size, m).plan is whole
