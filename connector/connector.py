@@ -86,6 +86,7 @@ class KVToolConnector(KVConnectorBase_V1, SupportsHMA):
                 answers_enabled=answers_enabled,
                 groups=self.layout.groups if self.layout is not None else None,
                 block_bytes=self.layout.block_bytes if self.layout is not None else (),
+                token_bytes=self.layout.token_bytes if self.layout is not None else (),
             )
         else:
             self._worker = WorkerSide(
@@ -154,7 +155,10 @@ class KVToolConnector(KVConnectorBase_V1, SupportsHMA):
         try:
             check_attention_layout(self._vllm_config, self.layout)
             self._worker.register_kv_caches(
-                kv_caches, [list(names) for names in self.layout.layer_names], self._kv_cache_config.num_blocks
+                kv_caches,
+                [list(names) for names in self.layout.layer_names],
+                self._kv_cache_config.num_blocks,
+                self.layout.attention,
             )
         except (ValueError, UnsupportedLayout) as exc:
             # Loads planned by the scheduler side then fail (recompute); nothing is saved.

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from .groups import CacheGroup, GroupKind, describe_groups
 from .identity import model_identity
 from .keys import MAX_GROUP, Namespace
+from .tokencut import CUTTABLE
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -27,6 +28,9 @@ class EngineLayout:
     # Per group: the attention kernel's block layout (attention_layout), None for a state group.
     attention: tuple[str | None, ...] = ()
     block_bytes: tuple[int, ...] = ()  # per group: one block across its layers (what an object holds)
+    # Per group: bytes a token takes across its layers where its tails hold their valid tokens only
+    # (connector.tokencut), else 0 (its tails are whole blocks).
+    token_bytes: tuple[int, ...] = ()
 
 
 def attention_layout(vllm_config: VllmConfig, spec: object) -> str:
@@ -136,9 +140,11 @@ def engine_layout(
         for g in specs
     )
     kernel_tags = ",".join(sorted({tag for tag in kernels if tag is not None}))
+    # Tails cut to their valid tokens are other bytes under the same keys: the namespace says so.
+    cut = tuple(tag in CUTTABLE for tag in kernels)
     layout = (
         f"{current_platform.device_type}:{type(spec).__name__}:{kv_cache_config.kv_cache_layout or 'default'}"
-        f":{kernel_tags}"
+        f":{kernel_tags}{':tails-cut' if any(cut) else ''}"
     )
     namespace = Namespace(
         model=model_id or vllm_config.model_config.model,
@@ -156,7 +162,11 @@ def engine_layout(
         cache_groups=_describe_specs(groups, specs),
     )
     block_bytes = tuple(g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in specs)
-    return EngineLayout(namespace, groups, tuple(tuple(group.layer_names) for group in specs), kernels, block_bytes)
+    token_bytes = tuple(
+        size // g.kv_cache_spec.block_size if c else 0 for size, g, c in zip(block_bytes, specs, cut, strict=True)
+    )
+    layer_names = tuple(tuple(group.layer_names) for group in specs)
+    return EngineLayout(namespace, groups, layer_names, kernels, block_bytes, token_bytes)
 
 
 def _describe_specs(groups: tuple[CacheGroup, ...], specs: list[KVCacheGroupSpec]) -> str:

@@ -1,9 +1,9 @@
-"""Self-describing stored objects: a fixed header followed by whole physical blocks, one per layer.
+"""Self-describing stored objects: a fixed header followed by a block's bytes, one layer after another.
 
-A full block object covers tokens [start, start + block_size); a tail object is the bytes of a
-partly filled block plus its count of valid tokens (``token_end - token_start``). Whole blocks are
-stored because attention backends pack block interiors differently (the CPU backend tiles them),
-so only whole-block copies are layout-agnostic.
+A full block object covers tokens [start, start + block_size); a tail object covers its valid tokens
+(``token_end - token_start``): only those tokens' bytes where the attention kernel's layout can be cut
+per token (``tokencut``), else the whole block (kernels pack block interiors differently; only
+whole-block copies are layout-agnostic). The reader's layout says which: ``payload length`` must match.
 
 A state object (a Mamba group's state after ``token_end`` tokens) is the group's block that holds it,
 with ``token_start`` 0.

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from .keys import KeyKind
 from .objects import HEADER_SIZE
 from .prefix import LoadPlan, ObjectRef, PromptKeys, plan_load
 
@@ -182,10 +183,17 @@ def judge(
 class HitJudge:
     """The scheduler side's judge: the engine's cost model, and what each group's object weighs."""
 
-    def __init__(self, block_bytes: tuple[int, ...], enabled: bool = True):
+    def __init__(self, block_bytes: tuple[int, ...], enabled: bool = True, token_bytes: tuple[int, ...] = ()):
         self.model = CostModel()
-        self._object_bytes = tuple(HEADER_SIZE + size for size in block_bytes)
+        self._block_bytes = block_bytes
+        self._token_bytes = token_bytes  # per group, where tails hold their valid tokens only (else 0)
         self.enabled = enabled and bool(block_bytes)
+        self._described_at: float | None = None
+
+    def object_bytes(self, ref: ObjectRef) -> int:
+        group = ref.group
+        per_token = self._token_bytes[group] if ref.kind is KeyKind.TAIL and group < len(self._token_bytes) else 0
+        return HEADER_SIZE + (per_token * (ref.token_end - ref.token_start) if per_token else self._block_bytes[group])
         self._described_at: float | None = None
 
     def observe(
@@ -213,4 +221,4 @@ class HitJudge:
         trimmed = None
         if local_tokens < cut < stored.hit_tokens:
             trimmed = plan_load(keys, replace(stored, hit_tokens=cut, extended={}), local_tokens)
-        return judge(plan, trimmed, lambda ref: self._object_bytes[ref.group], self.model)
+        return judge(plan, trimmed, self.object_bytes, self.model)

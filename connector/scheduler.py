@@ -44,6 +44,7 @@ class SchedulerSide:
         lookup_calls: BoundedCalls | None = None,
         groups: tuple[CacheGroup, ...] | None = None,
         block_bytes: tuple[int, ...] = (),
+        token_bytes: tuple[int, ...] = (),
     ):
         self._config = config
         self._namespace = namespace.key_component()
@@ -80,7 +81,7 @@ class SchedulerSide:
         )
         self._request_log = RequestLog(config.request_log) if config.request_log else None
         # A hit is taken when its load is predicted to cost less than the prefill it saves.
-        self._judge = HitJudge(block_bytes, config.skip_unprofitable_loads)
+        self._judge = HitJudge(block_bytes, config.skip_unprofitable_loads, token_bytes)
 
     # -- lookup -------------------------------------------------------------------------------------
 

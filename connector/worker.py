@@ -28,6 +28,7 @@ from .objects import HEADER_SIZE, ObjectHeader, PointerRecord, encode_pointer
 from .saver import ObjectCopy, Saver, SaveJob
 from .staging import Region, StagingArea
 from .store import KVStore, StoreError
+from .tokencut import cuttable, token_bytes, token_views
 
 logger = logging.getLogger("vllm.kvtool")
 
@@ -74,10 +75,16 @@ class WorkerSide:
     # -- set-up -------------------------------------------------------------------------------------
 
     def register_kv_caches(
-        self, kv_caches: dict[str, torch.Tensor | list[torch.Tensor]], group_layers: list[list[str]], num_blocks: int
+        self,
+        kv_caches: dict[str, torch.Tensor | list[torch.Tensor]],
+        group_layers: list[list[str]],
+        num_blocks: int,
+        layouts: tuple[str | None, ...] = (),
     ) -> None:
         """The cache tensors of every group's layers. Each tensor has the blocks in its first dimension
-        (a Mamba layer may have several: its conv and SSM states); a block is copied whole."""
+        (a Mamba layer may have several: its conv and SSM states); a block is copied whole, but for a
+        tail in a group whose kernel ``layouts`` (per group, ``EngineLayout.attention``) can be cut per
+        token (``tokencut``): a tail object then holds its valid tokens only."""
         groups = []
         for layer_names in group_layers:
             tensors = []
@@ -98,6 +105,13 @@ class WorkerSide:
                 widest[tensor.data_ptr()] = tensor
         self._widest_views = tuple(widest.values())
         self._group_bytes = [sum(t[0].numel() * t.element_size() for t in tensors) for tensors in groups]
+        # Per group: bytes a token takes across its layers, where its blocks are cut per token (else 0).
+        self._token_bytes = [
+            sum(token_bytes(t[0]) for t in tensors)
+            if index < len(layouts) and tensors and all(cuttable(layouts[index], t[0]) for t in tensors)
+            else 0
+            for index, tensors in enumerate(groups)
+        ]
         for index, tensors in enumerate(groups):
             logger.info(
                 "kvtool: group %d: %d cache tensors, block shape %s %s, %d bytes a block; namespace %s",
@@ -137,6 +151,13 @@ class WorkerSide:
     def _key(self, transfer: BlockTransfer) -> str:
         return object_key(self._ns_key, transfer.group, transfer.kind, transfer.token_end, transfer.chain_hash)
 
+    def _payload_bytes(self, transfer: BlockTransfer) -> int:
+        """A tail's valid tokens where its group is cut per token; else the whole block."""
+        per_token = self._token_bytes[transfer.group] if transfer.kind is KeyKind.TAIL else 0
+        if not per_token:
+            return self._group_bytes[transfer.group]
+        return per_token * (transfer.token_end - transfer.token_start)
+
     def _header(self, transfer: BlockTransfer) -> ObjectHeader:
         return ObjectHeader(
             namespace_fingerprint=self._fingerprint,
@@ -146,7 +167,7 @@ class WorkerSide:
             num_layers=len(self._groups[transfer.group]),
             token_start=transfer.token_start,
             token_end=transfer.token_end,
-            payload_len=self._group_bytes[transfer.group],
+            payload_len=self._payload_bytes(transfer),
             group=transfer.group,
         )
 
@@ -230,12 +251,20 @@ class WorkerSide:
 
     def _write_block(self, transfer: BlockTransfer, payload: memoryview) -> None:
         offset = 0
-        for layer in self._groups[transfer.group]:
-            target = layer[transfer.block_id]
+        for target in self._pieces(transfer):
             size = target.numel() * target.element_size()
             source = torch.frombuffer(payload, dtype=torch.uint8, count=size, offset=offset)
-            target.copy_(source.view(layer.dtype).view(target.shape))
+            target.copy_(source.view(target.dtype).view(target.shape))
             offset += size
+
+    def _pieces(self, transfer: BlockTransfer) -> list[torch.Tensor]:
+        """The parts of the KV cache an object holds, in its payload's order: each layer's block, or
+        for a tail cut per token each layer's first tokens (K, then V)."""
+        layers = [layer[transfer.block_id] for layer in self._groups[transfer.group]]
+        if transfer.kind is not KeyKind.TAIL or not self._token_bytes[transfer.group]:
+            return layers
+        valid = transfer.token_end - transfer.token_start
+        return [view for block in layers for view in token_views(block, valid)]
 
     def take_worker_meta(self) -> KVToolWorkerMeta | None:
         """Loads that failed since the last step, and the cost model's measurements (``profit``)."""
@@ -282,7 +311,7 @@ class WorkerSide:
         # Only the copy of the block's bytes happens on the engine's step; the put thread seals them.
         copies = []
         for number, transfer in enumerate(save.transfers[: len(lease)]):
-            region = lease.region(number, HEADER_SIZE + self._group_bytes[transfer.group])
+            region = lease.region(number, HEADER_SIZE + self._payload_bytes(transfer))
             self._copy_block(transfer, region)
             copies.append(
                 ObjectCopy(number, self._key(transfer), region, self._pointers(transfer), header=self._header(transfer))
@@ -291,11 +320,11 @@ class WorkerSide:
         self._saver.submit(SaveJob(save, copies, watermark, lease))
 
     def _copy_block(self, transfer: BlockTransfer, region: Region) -> None:
-        """The block's bytes, every layer in turn, after room for the object header: one copy."""
+        """The object's parts of the block (``_pieces``), in turn, after room for the header: one copy."""
         target = torch.frombuffer(region.view, dtype=torch.uint8)
         offset = HEADER_SIZE
-        for layer in self._groups[transfer.group]:
-            source = layer[transfer.block_id].contiguous().view(torch.uint8).reshape(-1)
+        for piece in self._pieces(transfer):
+            source = piece.contiguous().view(torch.uint8).reshape(-1)  # a tail's strided K: a small copy
             target[offset : offset + source.numel()].copy_(source)
             offset += source.numel()
 

@@ -193,3 +193,33 @@ def test_copy_on_write_copies_are_made_whole_across_views_that_share_memory():
     assert not torch.equal(attention[6], block_2)
     side.repair_block_copies(((2, 6), (5, 2)))  # every source is read before any block is written
     assert torch.equal(attention[6], block_2) and torch.equal(attention[2], block_5)
+
+
+def test_a_tail_cut_per_token_holds_its_valid_tokens_only_and_loads_them_into_the_first_slots():
+    """On the CPU kernel's layout (K transposed, then V, per head: connector.tokencut) a 21-token tail
+    stores 21 tokens' K and V, and a load writes them where the kernel reads those tokens; the rest of
+    the block is the engine's to compute."""
+    from connector.objects import HEADER_SIZE, decode_header
+
+    store, source = ScriptedStore(), kv_caches("random")
+    side = WorkerSide(NS, store, CONFIG, saves_enabled=True, load_calls=InlineCalls())
+    side.register_kv_caches(source, [LAYERS], NUM_BLOCKS, ("CPU_ATTN:vec",))
+    side.wait_for_save(KVToolMetadata(saves=[RequestSave("req-1", transfers((3, 5, 1)), prompt_tokens=85)]))
+    side.shutdown()
+    per_token = len(LAYERS) * 2 * 2 * 64 * 4  # layers x heads x (K and V) x head size x float32
+    (tail,) = [value for key, value in store.objects.items() if "/t/" in key]
+    assert decode_header(tail).payload_len == len(tail) - HEADER_SIZE == 21 * per_token
+    (block,) = [value for key, value in store.objects.items() if "/b/32/" in key]
+    assert len(block) - HEADER_SIZE == 2 * 2 * BLOCK * 128 * 4  # full blocks stay whole
+
+    target = kv_caches("zeros")
+    loader = WorkerSide(NS, store, CONFIG, saves_enabled=False, load_calls=InlineCalls())
+    loader.register_kv_caches(target, [LAYERS], NUM_BLOCKS, ("CPU_ATTN:vec",))
+    loader.start_load_kv(KVToolMetadata(loads=[RequestLoad("r", transfers((2, 4, 6)))]))
+    assert loader.get_finished() == ({"r"}, set())
+    for name in LAYERS:
+        got, want = target[name][6].view(2, 2 * BLOCK, 64), source[name][1].view(2, 2 * BLOCK, 64)
+        keys_got, keys_want = got[:, :BLOCK].reshape(2, 64, BLOCK), want[:, :BLOCK].reshape(2, 64, BLOCK)
+        assert torch.equal(keys_got[:, :, :21], keys_want[:, :, :21]) and not keys_got[:, :, 21:].any()
+        assert torch.equal(got[:, BLOCK : BLOCK + 21], want[:, BLOCK : BLOCK + 21]) and not got[:, BLOCK + 21 :].any()
+        assert torch.equal(target[name][4], source[name][5])  # a full block, whole
