@@ -141,7 +141,8 @@ def engine_layout(
     )
     kernel_tags = ",".join(sorted({tag for tag in kernels if tag is not None}))
     # Tails cut to their valid tokens are other bytes under the same keys: the namespace says so.
-    cut = tuple(tag in CUTTABLE for tag in kernels)
+    quantized = str(vllm_config.cache_config.cache_dtype).startswith("fp8")  # tokencut.CUT_DTYPES
+    cut = tuple(tag in CUTTABLE and not quantized for tag in kernels)
     layout = (
         f"{current_platform.device_type}:{type(spec).__name__}:{kv_cache_config.kv_cache_layout or 'default'}"
         f":{kernel_tags}{':tails-cut' if any(cut) else ''}"

@@ -93,6 +93,8 @@ class Finished:
     failed: dict[str, tuple[int, LoadFailure]] | None = None
 
 
+MAX_SAMPLES = 256  # measurements kept for the scheduler side, should it not collect them
+
 # Fetch threads: loads wait on the network with the GIL released, so a few run side by side; more
 # only adds threads stuck on a frozen store. Bytes in flight are what bounds loads (``budget_bytes``).
 LOAD_THREADS = 4
@@ -230,6 +232,7 @@ class Loader:
                     self._apply(entry.load, fetched, counts)
                     nbytes = sum(len(p) for p in fetched.payloads)
                     self.samples.append((nbytes, fetched.seconds, self._clock() - entry.planned))
+                    del self.samples[:-MAX_SAMPLES]
             elif failure is None and now > entry.deadline:
                 if entry.future is None:
                     failure = LoadFailure(

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from .search import StoredPrefix
 
 DESCRIBE_EVERY_S = 300.0
+EXPLORE_EVERY = 16  # one declined hit in this many is taken anyway, so that loads keep being measured
 MIN_SAMPLES = 4  # of each kind, before the model judges anything
 DECAY = 0.95  # weight of the older samples at each new one: the fit follows the engine's load
 # A store's transfer rate when every load seen had one size (so a per-call latency and a rate cannot be
@@ -189,12 +190,12 @@ class HitJudge:
         self._token_bytes = token_bytes  # per group, where tails hold their valid tokens only (else 0)
         self.enabled = enabled and bool(block_bytes)
         self._described_at: float | None = None
+        self._declined = 0  # hits not taken since the last one taken anyway (EXPLORE_EVERY)
 
     def object_bytes(self, ref: ObjectRef) -> int:
         group = ref.group
         per_token = self._token_bytes[group] if ref.kind is KeyKind.TAIL and group < len(self._token_bytes) else 0
         return HEADER_SIZE + (per_token * (ref.token_end - ref.token_start) if per_token else self._block_bytes[group])
-        self._described_at: float | None = None
 
     def observe(
         self, loads: Iterable[tuple[int, float, float]], steps: Iterable[tuple[int, float]], now: float
@@ -221,4 +222,13 @@ class HitJudge:
         trimmed = None
         if local_tokens < cut < stored.hit_tokens:
             trimmed = plan_load(keys, replace(stored, hit_tokens=cut, extended={}), local_tokens)
-        return judge(plan, trimmed, self.object_bytes, self.model)
+        verdict = judge(plan, trimmed, self.object_bytes, self.model)
+        if verdict.skipped is None:
+            return verdict
+        self._declined += 1
+        if self._declined >= EXPLORE_EVERY:
+            # Taken anyway: a model that declines every load would never see a load again, and a slow
+            # start (cold pages, a burst of queueing) would turn loads off for good.
+            self._declined = 0
+            return Verdict(plan, None, "explored")
+        return verdict

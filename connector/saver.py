@@ -59,6 +59,7 @@ class SaveJob:
         self.copies = copies
         self.watermark_key = watermark_key
         self.lease = lease  # the slots the copies are in; released once their put has returned
+        self._lease_released = False
         self.objects = [
             ObjectProgress(o.kind, o.token_start, o.token_end, "present", o.group) for o in save.already_stored
         ]
@@ -78,6 +79,12 @@ class SaveJob:
     @property
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self.copies)
+
+    def release_lease(self) -> None:
+        """The put thread's hold on the slots, given up once (a store call still running holds its own)."""
+        if not self._lease_released:
+            self._lease_released = True
+            self.lease.release()
 
     def record(self) -> WatermarkRecord:
         save = self.save
@@ -139,7 +146,13 @@ class Saver:
             job = self._queue.get()
             if job is None:
                 return
-            self._run(job)
+            try:
+                self._run(job)
+            except Exception:  # noqa: BLE001 - a bug must cost this save, never every later one
+                logger.exception("kvtool: a save failed unexpectedly; it is dropped")
+                self._count("saves_crashed")
+            finally:
+                job.release_lease()  # a no-op when _run gave it up
 
     def _run(self, job: SaveJob) -> None:
         try:
@@ -150,7 +163,7 @@ class Saver:
             sent = [c for c, found in zip(copies, present, strict=True) if not found and not stopping]
             outcomes = dict(zip((c.key for c in sent), self._put_batch(sent, job.lease), strict=True))
         finally:
-            job.lease.release()  # a put still running in the client holds it until it returns
+            job.release_lease()  # a put still running in the client holds it until it returns
         pointers: list[tuple[str, bytes]] = []
         for copy, found in zip(copies, present, strict=True):
             outcome = "present" if found else DROPPED_SHUTDOWN if stopping else outcomes[copy.key].value

@@ -142,9 +142,12 @@ class SchedulerSide:
             self.stats["pointer_reads_failed"] += 1
         plan = plan_load(tracked.keys, outcome, num_computed_tokens)
         verdict = self._judge(tracked.keys, outcome, num_computed_tokens, plan)
+        tracked.load_skipped = None
         if verdict.skipped is not None:
             self.stats[f"loads_{verdict.skipped}"] += 1
             tracked.load_skipped = f"{verdict.skipped}: {verdict.detail}"
+        elif verdict.detail == "explored":
+            self.stats["loads_explored"] += 1
         plan = verdict.plan
         tracked.plan, tracked.stored = plan, outcome
         tracked.stored_prefix_tokens = outcome.tokens

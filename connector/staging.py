@@ -111,7 +111,7 @@ class StagingArea:
     def take(self, count: int, *, partial: bool = False) -> Lease | None:
         """``count`` slots, or None when fewer are free (``partial``: as many as are free, None if none)."""
         if count <= 0:
-            return None
+            return Lease(self.memory, [], self.slot_bytes, lambda: None) if count == 0 and not partial else None
         with self._lock:
             if len(self._free) < count and not (partial and self._free):
                 return None

@@ -16,9 +16,19 @@ import torch
 CUTTABLE = frozenset({"CPU_ATTN:vec", "CPU_ATTN:vec16"})
 
 
+# KV dtypes the rule was checked for (an fp8 cache may pack tokens otherwise: it is not cut).
+CUT_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
+
+
 def cuttable(layout: str | None, block: torch.Tensor) -> bool:
     """Whether a layer's block (one block of its cache tensor) can be cut per token."""
-    return layout in CUTTABLE and block.dim() == 3 and block.shape[2] % 2 == 0 and block.is_contiguous()
+    return (
+        layout in CUTTABLE
+        and block.dtype in CUT_DTYPES
+        and block.dim() == 3
+        and block.shape[2] % 2 == 0
+        and block.is_contiguous()
+    )
 
 
 def token_views(block: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:

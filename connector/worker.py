@@ -23,7 +23,7 @@ from .calls import BoundedCalls
 from .config import KVToolConfig
 from .data import BlockTransfer, KVToolMetadata, KVToolWorkerMeta, RequestSave
 from .keys import KeyKind, Namespace, object_key, watermark_key
-from .loader import Loader
+from .loader import MAX_SAMPLES, Loader
 from .objects import HEADER_SIZE, ObjectHeader, PointerRecord, encode_pointer
 from .saver import ObjectCopy, Saver, SaveJob
 from .staging import Region, StagingArea
@@ -283,6 +283,7 @@ class WorkerSide:
         # The forward pass ran since bind_connector_metadata (``step_started``): a prefill-cost sample.
         if self._step_start is not None and meta.step_tokens > 0:
             self._step_samples.append((meta.step_tokens, time.perf_counter() - self._step_start))
+            del self._step_samples[:-MAX_SAMPLES]
         self._step_start = None
         # An answer save's blocks are held by vLLM until it is reported sent: report it whatever
         # happens to its copy (made here, skipped, or impossible), or they would never be freed.

@@ -17,7 +17,7 @@ KVTOOL_CONNECTOR_CLASS = "KVToolConnector"
 KVTOOL_CONNECTOR_MODULE = "connector.connector"
 VLLM_STORE_CONNECTOR_CLASS = "MooncakeStoreConnector"
 
-Durability = Literal["signal", "key_count", "none"]  # save_last_key in the store / master key count quiet
+Durability = Literal["signal", "key_count", "settle", "none"]  # save_last_key in the store / master key count quiet
 HitSource = Literal["request_log", "usage"]  # the connector's request log / usage.cached_tokens
 
 
@@ -35,6 +35,7 @@ class TransferSettings:
     save_answers: bool = False  # the engine also saves prompt + answer at request end (roles both)
     divergence_grid: int | None = None  # the kvtool connector's pointer grid; None: its default (auto)
     take_every_hit: bool = False  # the kvtool connector's cost model off (skip_unprofitable_loads false)
+    server_port: int | None = None  # LMCache's multiprocess server, on loopback
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,17 @@ def _vllm_store_transfer(settings: TransferSettings) -> dict[str, Any]:
     return config
 
 
+def _lmcache_transfer(settings: TransferSettings) -> dict[str, Any]:
+    """LMCache's multiprocess connector (its in-process one moves no KV on the CPU: ENVIRONMENT.md)."""
+    assert settings.server_port is not None
+    return {
+        "kv_connector": "LMCacheMPConnector",
+        "kv_role": settings.kv_role,
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": settings.server_port},
+    }
+
+
 PROFILES: dict[str, ConnectorProfile] = {
     "kvtool": ConnectorProfile("kvtool", True, "signal", "request_log", False, (31, 119, 180), _kvtool_transfer),
     "vllm-mooncake-store": ConnectorProfile(
@@ -112,6 +124,7 @@ PROFILES: dict[str, ConnectorProfile] = {
         _vllm_store_transfer,
         state_model_args=("--prefix-match-unit", "1"),
     ),
+    "lmcache": ConnectorProfile("lmcache", False, "settle", "usage", False, (148, 103, 189), _lmcache_transfer),
     "none": ConnectorProfile("none", False, "none", "usage", False, (44, 160, 44), lambda _settings: None),
 }
 CONNECTOR_NAMES: tuple[str, ...] = tuple(PROFILES)

@@ -24,20 +24,25 @@ from kvtool.serve_pair import (
     admin_url_for,
     engine_argv,
     engine_env,
+    preflight,
+    ready_info,
+    write_json_atomically,
+)
+from kvtool.stores import (
     find_binary,
+    lmcache_argv,
+    lmcache_binary,
     master_argv,
     mooncake_config_path,
     mooncake_env,
-    preflight,
-    ready_info,
     store_argv,
     vllm_mooncake_file_config,
-    write_json_atomically,
 )
 from kvtool.supervise import DEFAULT_POLICY, Policy, Supervisor, Watch
 
 MASTER_LABEL = "mooncake_master"
 STORE_LABEL = "the standalone store (mooncake_client)"
+LMCACHE_LABEL = "LMCache's multiprocess server"
 
 
 class Interrupted(Exception):
@@ -86,6 +91,11 @@ def start_mooncake(cfg: ServePairConfig, procs: ProcessSet, say: Reporter) -> di
         wanted.append((
             "store", STORE_LABEL, f"on {LOOPBACK}:{cfg.store_port}",
             store_argv(cfg, find_binary("mooncake_client")), ReadinessCheck(tcp_port=cfg.store_port), 60,
+        ))  # fmt: skip
+    if cfg.starts_lmcache:
+        wanted.append((
+            "lmcache", LMCACHE_LABEL, f"on {LOOPBACK}:{cfg.store_port}",
+            lmcache_argv(cfg, lmcache_binary()), ReadinessCheck(tcp_port=cfg.store_port), 120,
         ))  # fmt: skip
     for name, label, where, argv, readiness, timeout_s in wanted:
         say(f"starting {label} {where}")

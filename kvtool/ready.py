@@ -26,7 +26,7 @@ class ReadyFile(BaseModel):
     hash_unit: int
     divergence_grid: int | None = None  # the kvtool connector's pointer grid in tokens (0: none)
     max_model_len: int
-    connector: str  # kvtool, vllm-mooncake-store or none
+    connector: str  # kvtool, vllm-mooncake-store, lmcache or none
     roles: str | None = None  # pd or both; None without a connector
     master: str | None = None  # the master's RPC host:port
     admin: str | None = None  # the master's admin URL (its --metrics_port)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
-import shutil
 import sys
 import threading
 from collections.abc import Callable
@@ -25,8 +24,9 @@ from kvtool import connectors
 from kvtool.connectors import ConnectorProfile, TransferSettings
 from kvtool.ready import ReadyFile
 from kvtool.procs import LOOPBACK, ensure_port_free, tcp_port_open
+from kvtool.stores import find_binary, lmcache_binary, mooncake_config_path
 
-ConnectorChoice = Literal["kvtool", "vllm-mooncake-store", "none"]
+ConnectorChoice = Literal["kvtool", "vllm-mooncake-store", "lmcache", "none"]
 StoreChoice = Literal["embedded", "standalone"]
 RolesChoice = Literal["pd", "both"]  # pd: kv_producer + kv_consumer; both: kv_both on each engine
 Role = Literal["producer", "consumer"]
@@ -108,6 +108,11 @@ class ServePairConfig(BaseModel):
         return self.uses_mooncake and self.store == "standalone"
 
     @property
+    def starts_lmcache(self) -> bool:
+        """LMCache's multiprocess server (on --store-port), which its connector's engines share."""
+        return self.connector == "lmcache"
+
+    @property
     def master_address(self) -> str | None:
         if not self.uses_mooncake:
             return None
@@ -145,24 +150,6 @@ def request_log_path(cfg: ServePairConfig, role: Role) -> Path:
     return cfg.log_dir / f"{role}-requests.jsonl"
 
 
-def vllm_mooncake_file_config(
-    master_address: str, global_segment_size: int = 256 * MiB, local_buffer_size: int = 64 * MiB
-) -> dict[str, Any]:
-    """The JSON that MOONCAKE_CONFIG_PATH names for vLLM's in-tree MooncakeStoreConnector."""
-    config: dict[str, Any] = {
-        "local_hostname": LOOPBACK,
-        "metadata_server": "P2PHANDSHAKE",
-        "global_segment_size": global_segment_size,
-        "local_buffer_size": local_buffer_size,
-        "protocol": "tcp",
-        "device_name": "",
-        "master_server_address": master_address,
-    }
-    if global_segment_size == 0:
-        config["mode"] = "standalone-store"  # vLLM refuses a zero segment in its default "embedded" mode
-    return config
-
-
 def kv_role_for(cfg: ServePairConfig, role: Role) -> str:
     """vLLM's kv_role of an engine: with roles "both" each engine loads and saves (kv_both)."""
     if cfg.roles == "both":
@@ -183,58 +170,12 @@ def kv_transfer_config(cfg: ServePairConfig, role: Role) -> dict[str, Any] | Non
         save_answers=cfg.roles == "both",
         divergence_grid=cfg.divergence_grid,
         take_every_hit=cfg.take_every_hit,
+        server_port=cfg.store_port if cfg.starts_lmcache else None,
     )
     return cfg.profile.kv_transfer_config(settings)
 
 
-def mooncake_config_path(cfg: ServePairConfig) -> Path:
-    return cfg.log_dir / "mooncake-store.json"
-
-
 # ---- process command lines -----------------------------------------------------------------
-
-
-def find_binary(name: str) -> str:
-    """A Mooncake binary from the running venv first (not always on PATH), then from PATH."""
-    beside_python = Path(sys.executable).parent / name
-    if beside_python.is_file() and os.access(beside_python, os.X_OK):
-        return str(beside_python)
-    found = shutil.which(name)
-    if found is None:
-        raise UserError(
-            f"{name} was not found next to {sys.executable} or on PATH; run scripts/setup "
-            "(it installs mooncake-transfer-engine-non-cuda)",
-            exit_code=1,
-        )
-    return found
-
-
-def master_argv(cfg: ServePairConfig, binary: str = "mooncake_master") -> list[str]:
-    return [
-        binary,
-        f"--rpc_address={LOOPBACK}",
-        f"--rpc_port={cfg.master_port}",
-        f"--metrics_host={LOOPBACK}",
-        f"--metrics_port={cfg.admin_port}",
-        # Its HTTP metadata server would bind every interface; P2PHANDSHAKE needs none.
-        "--enable_http_metadata_server=false",
-        "--logtostderr=true",
-    ]
-
-
-def store_argv(cfg: ServePairConfig, binary: str = "mooncake_client") -> list[str]:
-    assert cfg.master_address is not None
-    return [
-        binary,
-        f"--host={LOOPBACK}",
-        f"--port={cfg.store_port}",
-        f"--master_server_address={cfg.master_address}",
-        "--metadata_server=P2PHANDSHAKE",
-        "--protocol=tcp",
-        f"--global_segment_size={cfg.store_segment_bytes}",
-        f"--local_buffer_size={16 * MiB}",
-        "--logtostderr=true",
-    ]
 
 
 def engine_argv(cfg: ServePairConfig, role: Role, python: str = sys.executable) -> list[str]:
@@ -299,17 +240,13 @@ def engine_env(cfg: ServePairConfig, role: Role, base: dict[str, str] | None = N
             "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p),
         }
     )
+    if cfg.starts_lmcache:
+        env["PYTHONHASHSEED"] = "0"  # LMCache keys chunks by Python's hash(): both engines must agree
     if cfg.profile.mooncake_config_file:
         env["MOONCAKE_CONFIG_PATH"] = str(mooncake_config_path(cfg))
     else:
         # The kvtool connector also reads this file; one inherited from the shell must not change its config.
         env.pop("MOONCAKE_CONFIG_PATH", None)
-    return env
-
-
-def mooncake_env(base: dict[str, str] | None = None) -> dict[str, str]:
-    env = dict(os.environ if base is None else base)
-    env["MC_TCP_BIND_ADDRESS"] = LOOPBACK
     return env
 
 
@@ -359,8 +296,10 @@ def preflight(cfg: ServePairConfig) -> None:
     ]
     if cfg.starts_master:
         ports += [(cfg.master_port, "--master-port"), (cfg.admin_port, "--admin-port")]
-    if cfg.starts_store:
+    if cfg.starts_store or cfg.starts_lmcache:
         ports.append((cfg.store_port, "--store-port"))
+    if cfg.starts_lmcache:
+        ports.append((cfg.admin_port, "--admin-port"))  # LMCache's HTTP admin API
     seen: dict[int, str] = {}
     for port, flag in ports:
         if port in seen:
@@ -377,6 +316,8 @@ def preflight(cfg: ServePairConfig) -> None:
         find_binary("mooncake_master")
     if cfg.starts_store:
         find_binary("mooncake_client")
+    if cfg.starts_lmcache:
+        lmcache_binary()
 
 
 # ---- ready file ----------------------------------------------------------------------------

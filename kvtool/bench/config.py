@@ -14,7 +14,7 @@ from kvtool.verify import DEFAULT_LOGPROB_TOLERANCE
 from .workloads import TRACE_PREFIX, WORKLOADS, TraceReplay, Workload, workload_names
 from .workloads.prefix_repetition import PrefixRepetition
 
-ConnectorName = Literal["kvtool", "vllm-mooncake-store", "none"]
+ConnectorName = Literal["kvtool", "vllm-mooncake-store", "lmcache", "none"]
 CONNECTORS: tuple[str, ...] = CONNECTOR_NAMES
 DEFAULT_WORKLOADS = ("sub-block",)
 TOP_LOGPROBS = 5

@@ -28,6 +28,7 @@ from .oracle import run_ideals
 from .workloads.base import FIRST_TOKEN_ID, Step, Target, Transcript
 
 KEY_COUNT_QUIET_S = 0.5  # vllm-mooncake-store gives no durability signal: wait for the store to go quiet
+SETTLE_S = 1.0  # LMCache gives none and has no master to ask: its saves get this long to land
 KEY_COUNT_POLL_S = 0.1
 REQUEST_LOG_WAIT_S = 5.0
 
@@ -200,7 +201,7 @@ class Durability:
         """A save to wait for: its last key when the connector gives one, else the key-count fallback."""
         if last_key:
             self._pending_keys.append(last_key)
-        elif not signalled and saves and profile(self._pair.connector).durability == "key_count":
+        elif not signalled and saves and profile(self._pair.connector).durability in ("key_count", "settle"):
             self._pending_unsignalled = True
 
     def wait(self) -> tuple[float, bool] | None:
@@ -209,6 +210,10 @@ class Durability:
             return None
         began = time.perf_counter()
         timed_out = False
+        if self._pending_unsignalled and profile(self._pair.connector).durability == "settle":
+            time.sleep(SETTLE_S)
+            self._pending_unsignalled = False
+            return (time.perf_counter() - began) * 1000.0, False
         assert self._pair.admin is not None
         for key in self._pending_keys:
             # Puts run in order, so the last key of a save covers the save.

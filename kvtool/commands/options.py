@@ -176,7 +176,11 @@ class PairOptions:
         ),
     ] = "embedded"
     connector: Annotated[
-        str, _pair("kvtool (partial-tail connector), vllm-mooncake-store (vLLM's in-tree, whole blocks only) or none")
+        str,
+        _pair(
+            "kvtool (partial-tail connector), vllm-mooncake-store (vLLM's in-tree, whole blocks only), lmcache "
+            "(LMCache's multiprocess server, whole chunks of a block; scripts/setup --with-lmcache) or none"
+        ),
     ] = "kvtool"
     roles: Annotated[
         str,

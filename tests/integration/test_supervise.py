@@ -17,7 +17,8 @@ import pytest
 
 from kvtool.launch import run_pair
 from kvtool.procs import ProcessDied, ProcessSet, ReadinessCheck, find_free_port, http_ok, tcp_port_open
-from kvtool.serve_pair import ServePairConfig, find_binary, master_argv, mooncake_env
+from kvtool.serve_pair import ServePairConfig
+from kvtool.stores import find_binary, master_argv, mooncake_env
 from kvtool.supervise import Backoff, Policy, Supervisor, Watch
 
 pytestmark = pytest.mark.integration

@@ -142,7 +142,7 @@ def test_request_log_reader_finds_tags_written_after_it_started(tmp_path):
 def test_compare_list_is_checked():
     assert parse_compare("kvtool, none") == ["kvtool", "none"]
     assert parse_compare(None) == []
-    for bad in ("kvtool,lmcache", "", "none,none"):
+    for bad in ("kvtool,sglang", "", "none,none"):
         with pytest.raises(UserError):
             parse_compare(bad)
 

@@ -241,7 +241,7 @@ def no_pair(monkeypatch):
 @pytest.mark.parametrize(
     "args",
     [
-        ["--launch", "--compare", "kvtool,lmcache"],
+        ["--launch", "--compare", "kvtool,sglang"],
         ["--launch", "--workload", "no-such-workload"],
         ["--launch", "--workload", "trace:/no/such/trace.jsonl"],
         ["--launch", "--format", "xml"],
@@ -250,7 +250,7 @@ def no_pair(monkeypatch):
         ["--launch", "--requests", "0"],
         ["--launch", "--model-preset", "huge"],
         ["--launch", "--model-size", "huge"],
-        ["--launch", "--connector", "lmcache"],
+        ["--launch", "--connector", "sglang"],
         ["--launch", "--output", "a.json", "--json", "b.json"],
         ["--pair", "ready.json", "--launch"],
         ["--pair", "ready.json", "--compare", "kvtool,none"],

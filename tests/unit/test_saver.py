@@ -198,3 +198,18 @@ def test_loads_of_one_step_are_all_received_with_their_blocks_in_place():
         assert torch.equal(source[name][3], target[name][6])
     kinds = [t.kind for t in prompt_save("x", 0, 85, [4, 5, 6]).transfers]
     assert kinds == [KeyKind.BLOCK, KeyKind.BLOCK, KeyKind.TAIL]
+
+
+def test_a_save_that_fails_unexpectedly_costs_that_save_only_and_gives_its_slots_back():
+    class Broken(ScriptedStore):
+        def exists(self, keys):
+            raise RuntimeError("a bug, not a store error")
+
+    store = Broken()
+    side = WorkerSide(NS, store, config(), saves_enabled=True)
+    side.register_kv_caches(kv_caches("random"), [LAYERS], NUM_BLOCKS)
+    side.wait_for_save(KVToolMetadata(saves=[prompt_save("a", 0, 85, [1, 2, 3])]))
+    side.wait_for_save(KVToolMetadata(saves=[prompt_save("b", 500, 85, [4, 5, 6])]))
+    side.shutdown()
+    assert side.take_stats()["saves_crashed"] == 2  # the put thread lived on to the second save
+    assert side._saver.area.free_slots == side._saver.area.slots

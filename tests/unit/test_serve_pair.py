@@ -22,15 +22,12 @@ from kvtool.serve_pair import (
     engine_env,
     kv_transfer_config,
     kvtool_extra_config,
-    master_argv,
-    mooncake_config_path,
     preflight,
     ready_info,
     request_log_path,
-    store_argv,
-    vllm_mooncake_file_config,
     write_json_atomically,
 )
+from kvtool.stores import master_argv, mooncake_config_path, store_argv, vllm_mooncake_file_config
 from kvtool.smoke import metric_total, smoke_prompts
 
 MiB = 1 << 20
@@ -482,8 +479,9 @@ def test_the_ready_file_serve_pair_writes_is_the_one_every_reader_parses(tmp_pat
 def test_every_connector_choice_has_one_profile_and_they_say_what_the_branches_said():
     from kvtool.connectors import CONNECTOR_NAMES, profile
 
-    assert CONNECTOR_NAMES == ("kvtool", "vllm-mooncake-store", "none")
-    kvtool, vllm, none = (profile(name) for name in CONNECTOR_NAMES)
+    assert CONNECTOR_NAMES == ("kvtool", "vllm-mooncake-store", "lmcache", "none")
+    kvtool, vllm, lmcache, none = (profile(name) for name in CONNECTOR_NAMES)
+    assert (lmcache.uses_store, lmcache.durability, lmcache.hits_from) == (False, "settle", "usage")
     assert (kvtool.durability, kvtool.hits_from, kvtool.uses_store) == ("signal", "request_log", True)
     assert (vllm.durability, vllm.hits_from, vllm.mooncake_config_file) == ("key_count", "usage", True)
     assert (none.uses_store, none.durability) == (False, "none")

@@ -1,0 +1,51 @@
+"""The pair's store processes: LMCache's multiprocess server as the lmcache peer's store."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvtool.errors import UserError
+from kvtool.serve_pair import ServePairConfig, engine_env, kv_transfer_config, preflight
+from kvtool.stores import lmcache_argv
+
+
+def lmcache_config(tmp_path: Path, **overrides) -> ServePairConfig:
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text('{"vocab_size": 1024}')
+    return ServePairConfig(model=model, log_dir=tmp_path / "logs", connector="lmcache", **overrides)
+
+
+def test_lmcache_runs_on_loopback_in_chunks_of_one_block_with_both_transfer_paths(tmp_path):
+    cfg = lmcache_config(tmp_path, store_port=6100, admin_port=6101, block_size=64)
+    argv = lmcache_argv(cfg, "lmcache")
+    flags = dict(zip(argv[2::2], argv[3::2], strict=False))
+    assert argv[:2] == ["lmcache", "server"]
+    assert flags["--host"] == flags["--http-host"] == "127.0.0.1"
+    assert (flags["--port"], flags["--http-port"], flags["--chunk-size"]) == ("6100", "6101", "64")
+    assert argv[argv.index("--supported-transfer-mode") + 1] == "auto"  # vLLM CPU workers are engine-driven
+
+
+def test_lmcache_engines_name_the_server_and_agree_on_python_hashes(tmp_path):
+    cfg = lmcache_config(tmp_path, store_port=6100)
+    config = kv_transfer_config(cfg, "consumer")
+    assert config["kv_connector"] == "LMCacheMPConnector" and config["kv_role"] == "kv_consumer"
+    assert config["kv_connector_extra_config"] == {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": 6100}
+    assert engine_env(cfg, "producer", base={})["PYTHONHASHSEED"] == "0"
+    assert "PYTHONHASHSEED" not in engine_env(ServePairConfig(model=tmp_path, log_dir=tmp_path), "producer", base={})
+    assert not cfg.uses_mooncake and cfg.starts_lmcache
+
+
+def test_lmcache_not_installed_is_one_sentence_saying_how(tmp_path, monkeypatch):
+    monkeypatch.setattr("kvtool.stores.importlib.util.find_spec", lambda name: None)
+    monkeypatch.setattr("kvtool.serve_pair.ensure_port_free", lambda port, flag: None)
+    with pytest.raises(UserError, match="scripts/setup --with-lmcache"):
+        preflight(lmcache_config(tmp_path))
+
+
+def test_lmcache_ports_must_differ(tmp_path, monkeypatch):
+    monkeypatch.setattr("kvtool.serve_pair.ensure_port_free", lambda port, flag: None)
+    with pytest.raises(UserError, match="--store-port and --admin-port"):
+        preflight(lmcache_config(tmp_path, store_port=6100, admin_port=6100))
