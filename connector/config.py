@@ -90,10 +90,13 @@ class KVToolConfig(BaseModel):
     breaker_backoff_s: float = Field(default=1.0, gt=0, description="first back-off of an open breaker, doubling")
     breaker_max_backoff_s: float = Field(default=10.0, gt=0)
     save_buffer_bytes: int = Field(
-        default=1 << 30, gt=0, description="host copies of saves waiting for their puts, at most; beyond, dropped"
+        default=256 << 20,
+        gt=0,
+        description="the save staging area (resident): host copies of saves waiting for their puts, at most; "
+        "beyond, dropped",
     )
     load_buffer_bytes: int = Field(
-        default=1 << 30,
+        default=256 << 20,
         gt=0,
         description="fetched objects of loads in flight, at most; a load that does not fit waits its turn "
         "(one load always runs)",

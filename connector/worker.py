@@ -134,6 +134,9 @@ class WorkerSide:
         """A staging area of the budget's size (at least one object), registered with the store. A store
         that refuses the registration still gets transfers from it (over TCP they work unregistered)."""
         area = StagingArea(name, slot_bytes, max(1, budget_bytes // slot_bytes))
+        # Touched now, not slot by slot on the engine's step: a save's copy into a cold page costs four
+        # times a warm one (page faults), which showed as 40 ms more per producer request at block 32.
+        area.memory.fill_(0)
         assert self._store is not None
         try:
             self._store.register(area.address, area.nbytes)

@@ -66,7 +66,7 @@ class ServePairConfig(BaseModel):
     enforce_eager: bool = False
     # vLLM's prefill chunk (--max-num-batched-tokens); None: the preset's, else vLLM's default.
     max_num_batched_tokens: int | None = Field(default=None, gt=0)
-    segment_bytes: int = 256 * MiB  # what each engine lends the store (embedded)
+    segment_bytes: int = Field(default=256 * MiB, gt=0)  # what each engine lends the store (embedded)
     local_buffer_bytes: int = 64 * MiB
     store_segment_bytes: int = 1 * GiB  # what the standalone store holds
     startup_timeout_s: float = 300.0

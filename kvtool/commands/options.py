@@ -194,6 +194,10 @@ class PairOptions:
         Path | None, _pair("where the processes' logs go \\[default: ./logs/serve-pair-<timestamp>]")
     ] = None
     kv_cache_gib: Annotated[float, _pair("KV cache per engine, GiB (VLLM_CPU_KVCACHE_SPACE)")] = 1.0
+    segment_mib: Annotated[
+        int,
+        _pair("store memory each engine lends with --store embedded, MiB (a small one puts the store under pressure)"),
+    ] = 256
     memory_utilization: Annotated[
         float, _pair("--gpu-memory-utilization per engine; small because two engines start together")
     ] = 0.3
@@ -275,6 +279,7 @@ class PairOptions:
                 log_dir=(self.log_dir or default_log_dir()).resolve(),
                 ready_file=ready_file.resolve() if ready_file else None,
                 kv_cache_gib=self.kv_cache_gib,
+                segment_bytes=self.segment_mib << 20,
                 memory_utilization=self.memory_utilization,
                 dtype=self.dtype,
                 enforce_eager=self.enforce_eager,

@@ -17,13 +17,13 @@ from connector.watermarks import SaveState
 from connector.worker import WorkerSide
 
 from .scripted_store import InlineCalls, ScriptedStore
-from .test_worker import LAYERS, NS, NUM_BLOCKS, kv_caches, records
+from .test_worker import LAYERS, NS, NUM_BLOCKS, SMALL_AREAS, kv_caches, records
 
 BLOCK_BYTES = 2 * 2 * 32 * 128 * 4  # two layers of [2, 32, 128] float32
 
 
 def config(**fields):
-    return load_config({"master_server_address": "127.0.0.1:1", **fields})
+    return load_config({"master_server_address": "127.0.0.1:1", **SMALL_AREAS, **fields})
 
 
 def prompt_save(req_id, first_token, length, block_ids):

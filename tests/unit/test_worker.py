@@ -17,7 +17,9 @@ from connector.worker import WorkerSide
 
 from .scripted_store import InlineCalls, ScriptedStore
 
-CONFIG = load_config({"master_server_address": "127.0.0.1:1"})
+# Staging areas of a few MiB: they are touched when a worker registers (the default is 256 MiB each).
+SMALL_AREAS = {"save_buffer_bytes": 8 << 20, "load_buffer_bytes": 8 << 20}
+CONFIG = load_config({"master_server_address": "127.0.0.1:1", **SMALL_AREAS})
 
 NUM_BLOCKS, BLOCK = 8, 32
 LAYERS = ["model.layers.0.attn", "model.layers.1.attn"]
