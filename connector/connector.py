@@ -172,13 +172,16 @@ class KVToolConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is not None and isinstance(connector_metadata, KVToolMetadata):
             self._worker.step_started()
             self._worker.repair_block_copies(connector_metadata.block_copies)
+            # Loads start here, before the forward, not in start_load_kv (which vLLM calls after it when
+            # no load is synchronous): the fetch overlaps this step's forward and is usually done by
+            # get_finished at its end, a step sooner. It only fills the load staging area; the copy into
+            # the request's blocks (not in this forward: they wait for their load) happens then.
+            self._worker.start_load_kv(connector_metadata)
 
     @on_engine_thread
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self._worker is not None
-        meta = self._connector_metadata
-        if isinstance(meta, KVToolMetadata):
-            self._worker.start_load_kv(meta)
+        # The loads started in bind_connector_metadata.
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return

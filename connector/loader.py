@@ -143,6 +143,8 @@ class Loader:
         return (self.area.held_bytes if self.area is not None else 0) + oversize
 
     def start(self, load: RequestLoad) -> None:
+        if load.req_id in self._in_flight:
+            return  # started already (the same step's metadata bound twice): one fetch per load
         now = self._clock()
         entry = _InFlight(load, now + self._timeout_s, planned=now)
         self._in_flight[load.req_id] = entry

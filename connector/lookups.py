@@ -116,6 +116,18 @@ class LookupBatcher:
             pending.job = future
         self._collect()  # a synchronous executor (tests) has answered already
 
+    def settle(self, budget_s: float) -> float:
+        """Send what waits and wait at most ``budget_s`` for the job out to answer; the seconds spent.
+        (A lookup answered within the scheduler's step saves its request a step; a slow or hung store
+        costs at most the budget.)"""
+        start = self._clock()
+        self.flush()
+        job = self._job
+        if job is not None and budget_s > 0:
+            concurrent.futures.wait([job.future], timeout=budget_s)
+            self._collect()
+        return self._clock() - start
+
     def _collect(self) -> None:
         job = self._job
         if job is None or not job.future.done():
