@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("vllm.kvtool")
 
 # How long one scheduling step may wait for lookups, in all: a lookup answered within the step saves
-# its request a step (measured: each step a hit waits costs it 10-15 ms of TTFT on this CPU).
+# its request a step (benchmarks/compare-peers: the steps a hit waited made kvtool's TTFT the slowest).
 SYNC_LOOKUP_BUDGET_S = 0.002
 
 
