@@ -208,7 +208,9 @@ class KVToolConnector(KVConnectorBase_V1, SupportsHMA):
         and finished requests whose answer save copied their blocks (vLLM frees them)."""
         if self._worker is None:
             return KVConnectorTransferResults()
-        received, failed = self._worker.get_finished()
+        meta = self._connector_metadata
+        step_tokens = meta.step_tokens if isinstance(meta, KVToolMetadata) else 1
+        received, failed = self._worker.get_finished(step_tokens)
         return KVConnectorTransferResults(
             finished_sending=self._worker.take_sent(), finished_recving=received, failed_recving=failed
         )

@@ -39,6 +39,9 @@ class HitDetails:
     # The connector did not take all the hit it found: "unprofitable: ..." (a load would have cost more
     # than the prefill it saves) or "trimmed: ..." (the partial block's object was dropped).
     load_skipped: str | None = None
+    # Where its first step went: {mark: [ms, scheduler steps] since the connector first saw it}, marks
+    # "answered" (lookup), "load_sent", "load_done", "computing" (connector.timeline).
+    timeline: dict[str, list[float]] | None = None
     # Only in request-log records: the vLLM request id and the client's kvtool_tag.
     request_id: str | None = None
     tag: str | None = None

@@ -213,9 +213,16 @@ class Loader:
         entry.failure = LoadFailure(cause, detail)
         self._in_flight[load.req_id] = entry
 
-    def finish(self) -> tuple[Finished, dict[str, int]]:
+    def finish(self, wait_s: float = 0.0) -> tuple[Finished, dict[str, int]]:
         """Apply every fetch that answered; fail every one past its deadline; start waiting loads whose
-        turn came. Returns what ended and counts."""
+        turn came. Returns what ended and counts.
+
+        ``wait_s``: how long to wait first for the fetches in flight (an idle step's: the engine would
+        only run empty steps until they answer, and each empty step holds the GIL their threads need)."""
+        if wait_s > 0:
+            running = [e.future for e in self._in_flight.values() if e.future is not None and not e.future.done()]
+            if running:
+                concurrent.futures.wait(running, timeout=wait_s)
         received: set[str] = set()
         failed: dict[str, tuple[int, LoadFailure]] = {}
         counts: dict[str, int] = {}

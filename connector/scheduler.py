@@ -6,7 +6,6 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from .config import KVToolConfig, divergence_grid, lead_pointers
@@ -20,7 +19,7 @@ from .prefix import ObjectRef, plan_load, plan_save, single_group
 from .profit import HitJudge
 from .search import StoredPrefix
 from .store import KVStore, StoreError
-from .saveplans import last_put_key, save_transfer
+from .saveplans import add_state_saves, last_put_key, save_transfer, state_transfers
 from .tracking import KeySpace, RequestLog, TrackedRequest
 
 if TYPE_CHECKING:
@@ -33,6 +32,10 @@ logger = logging.getLogger("vllm.kvtool")
 # How long one scheduling step may wait for lookups, in all: a lookup answered within the step saves
 # its request a step (benchmarks/compare-peers: the steps a hit waited made kvtool's TTFT the slowest).
 SYNC_LOOKUP_BUDGET_S = 0.002
+# The same after a step that computed nothing, or after the engine sat idle: no stream is running to be
+# delayed, and the engine would only spin empty steps, each holding the GIL the lookup's thread needs.
+IDLE_LOOKUP_BUDGET_S = 0.010
+IDLE_AFTER_S = 0.050  # no step built for this long: the engine waited for requests
 
 
 class SchedulerSide:
@@ -85,6 +88,8 @@ class SchedulerSide:
         )
         self._request_log = RequestLog(config.request_log) if config.request_log else None
         self._step_wait_left = SYNC_LOOKUP_BUDGET_S
+        self._step = 0  # scheduler steps built so far (the request timelines count in them)
+        self._last_build_s = 0.0
         # A hit is taken when its load is predicted to cost less than the prefill it saves.
         self._judge = HitJudge(block_bytes, config.skip_unprofitable_loads, token_bytes)
 
@@ -93,7 +98,8 @@ class SchedulerSide:
     def _track(self, request: Request) -> TrackedRequest:
         tracked = self._tracked.get(request.request_id)
         if tracked is None:
-            tracked = self._tracked[request.request_id] = TrackedRequest.start(request, self._space)
+            tracked = TrackedRequest.start(request, self._space, time.monotonic(), self._step)
+            self._tracked[request.request_id] = tracked
             self._count_unhashable(tracked)
         return self._refreshed(tracked)
 
@@ -138,6 +144,7 @@ class SchedulerSide:
             outcome = self._settle_lookup(req_id)
         if outcome is None:
             return None, False
+        self._mark(tracked, "answered")
         self._lookups.forget(req_id)  # a preempted request that comes back looks up afresh
         self.stats["lookups"] += 1
         if isinstance(outcome, StoreError):
@@ -167,6 +174,9 @@ class SchedulerSide:
         healthy store it answers in about a millisecond, and the request is scheduled in this step
         instead of the next. Never while the breaker is open: a failing store costs no time."""
         breaker = getattr(self._store, "breaker", None)
+        if time.monotonic() - self._last_build_s > IDLE_AFTER_S:
+            self._step_wait_left = max(self._step_wait_left, IDLE_LOOKUP_BUDGET_S)
+            self._last_build_s = time.monotonic()  # once per idle spell
         if self._lookups is None or self._step_wait_left <= 0 or (breaker is not None and breaker.is_open):
             return None
         self._step_wait_left -= self._lookups.settle(self._step_wait_left)
@@ -216,12 +226,24 @@ class SchedulerSide:
 
     # -- metadata -----------------------------------------------------------------------------------
 
+    def _mark(self, tracked: TrackedRequest | None, name: str) -> None:
+        if tracked is not None and tracked.timeline is not None:
+            tracked.timeline.mark(name, time.monotonic(), self._step)
+
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVToolMetadata:
-        self._step_wait_left = SYNC_LOOKUP_BUDGET_S  # the next step's
+        step_tokens = getattr(scheduler_output, "total_num_scheduled_tokens", 0)
+        self._step_wait_left = IDLE_LOOKUP_BUDGET_S if step_tokens == 0 else SYNC_LOOKUP_BUDGET_S  # the next step's
+        self._last_build_s = time.monotonic()
         if self._lookups is not None:
             self._lookups.flush()  # this step's lookups, as one batch in the background
+        for req_id in getattr(scheduler_output, "num_scheduled_tokens", None) or {}:
+            self._mark(self._tracked.get(req_id), "computing")
+        for load in self._pending_loads:
+            if not load.failure:
+                self._mark(self._tracked.get(load.req_id), "load_sent")
+        self._step += 1
         meta = KVToolMetadata(loads=self._pending_loads, saves=self._pending_saves)
-        meta.step_tokens = getattr(scheduler_output, "total_num_scheduled_tokens", 0)
+        meta.step_tokens = step_tokens
         self._pending_loads, self._pending_saves = [], []
         # vLLM 0.32 copies a sub-block prefix hit's shared tail block (copy-on-write) only partly on a
         # hybrid model (connector.worker.WorkerSide.repair_block_copies): have the worker redo them.
@@ -266,33 +288,14 @@ class SchedulerSide:
 
         With them a prompt that shares only the first blocks of a stored one, or the stored prompt
         itself sent unchanged, hits at the last boundary its state group holds."""
-        saves = {save.req_id: index for index, save in enumerate(meta.saves)}
         for req_id, entries in offloads.items():
             tracked = self._live(req_id)
             if tracked is None or tracked.unhashable:
                 continue
-            keys, prompt_len = tracked.keys, len(tracked.keys.tokens)
-            transfers = []
-            for group, block_id, boundary in entries:
-                if group >= len(self._groups) or self._groups[group].kind is not GroupKind.STATE:
-                    continue
-                if block_id == NULL_BLOCK_ID or not 0 < boundary <= prompt_len:
-                    continue  # past the prompt: a resumed request's re-prefill, not the prompt's state
-                ref = keys.state_ref(boundary, group)
-                transfers.append(
-                    BlockTransfer(block_id, ref.kind, ref.token_start, ref.token_end, ref.chain_hash, group)
-                )
-            if not transfers:
-                continue
-            self.stats["state_checkpoints"] += len(transfers)
-            index = saves.get(req_id)
-            if index is not None:  # the prompt's own save this step: one job, states after its objects
-                save = meta.saves[index]
-                have = {(t.group, t.kind, t.token_end) for t in save.transfers}
-                extra = tuple(t for t in transfers if (t.group, t.kind, t.token_end) not in have)
-                meta.saves[index] = replace(save, transfers=save.transfers + extra)
-            else:
-                meta.saves.append(RequestSave(req_id, tuple(transfers), prompt_tokens=prompt_len, checkpoint=True))
+            transfers = state_transfers(tracked.keys, self._groups, entries)
+            if transfers:
+                self.stats["state_checkpoints"] += len(transfers)
+                add_state_saves(meta.saves, req_id, transfers, len(tracked.keys.tokens))
 
     def _maybe_save(
         self, meta: KVToolMetadata, tracked: TrackedRequest, num_computed: int, scheduler_output: SchedulerOutput
@@ -374,6 +377,7 @@ class SchedulerSide:
             tracked = self._tracked.get(req_id)
             if tracked is not None:
                 tracked.loading = False
+                self._mark(tracked, "load_done")
         self._holding.difference_update(sent or ())
 
     def has_pending_block_frees(self) -> bool:
@@ -419,6 +423,7 @@ class SchedulerSide:
         tracked = self._tracked.pop(request.request_id, None)
         if tracked is None:
             return False, None
+        self._mark(tracked, "finished")
         self._refreshed(tracked)  # a session whose next chunk arrived: its blocks hold that prompt's start
         answer = (
             plan_answer_save(tracked, block_ids, self._space, has_state_group=self._has_state_group, stats=self.stats)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -25,6 +26,7 @@ from .identity import UnhashableRequest, identity_size, prompt_tokens, request_i
 from .keys import watermark_key
 from .prefix import LoadPlan, PromptKeys
 from .search import StoredPrefix
+from .timeline import Timeline
 from .watermarks import SEQ_FINAL
 
 if TYPE_CHECKING:
@@ -86,11 +88,14 @@ class TrackedRequest:
     answer_tokens: int = 0
     answer_objects: int = 0
     answer_last_key: str | None = None
+    timeline: Timeline | None = None  # where its first step went (connector.timeline)
 
     @classmethod
-    def start(cls, request: Request, space: KeySpace) -> TrackedRequest:
+    def start(cls, request: Request, space: KeySpace, now_s: float = 0.0, step: int = 0) -> TrackedRequest:
         keys, unhashable = request_keys(request, space)
         tracked = cls(request=request, keys=keys, keyed_size=identity_size(request), unhashable=unhashable)
+        arrival = getattr(request, "arrival_time", None)  # wall clock, from the API server
+        tracked.timeline = Timeline.start(now_s, step, time.time() - arrival if isinstance(arrival, float) else None)
         if unhashable:
             tracked.lookup = f"not looked up: {unhashable}"
         return tracked
@@ -146,6 +151,7 @@ class TrackedRequest:
             answer_last_key=tracked.answer_last_key,
             load_skipped=tracked.load_skipped,
             pointer_read_failed=tracked.stored is not None and tracked.stored.pointer_read_failed,
+            timeline=tracked.timeline.to_dict() if tracked.timeline is not None else None,
         )
 
 

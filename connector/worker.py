@@ -30,6 +30,9 @@ from .staging import Region, StagingArea
 from .store import KVStore, StoreError
 from .tokencut import cuttable, token_bytes, token_views
 
+# How long get_finished waits for the loads in flight after a step that computed nothing.
+IDLE_LOAD_WAIT_S = 0.010
+
 logger = logging.getLogger("vllm.kvtool")
 
 # Loads only read from the fetched bytes; torch warns that they are read-only.
@@ -239,9 +242,14 @@ class WorkerSide:
             else:  # planned loads must still fail, or vLLM would use blocks nobody filled
                 self._loader.fail(load, "no_store", "the worker-side connector is disabled or has no store")
 
-    def get_finished(self) -> tuple[set[str], set[str]]:
-        """Loads that ended since the last step: (received, of which failed). Copies the good ones in."""
-        finished, counts = self._loader.finish()  # also starts loads whose turn came
+    def get_finished(self, step_tokens: int = 1) -> tuple[set[str], set[str]]:
+        """Loads that ended since the last step: (received, of which failed). Copies the good ones in.
+
+        After a step that computed nothing (``step_tokens`` 0: every request waits for a load or a
+        lookup) it first waits up to ``IDLE_LOAD_WAIT_S`` for the fetches in flight: no stream is
+        running to be delayed, and a load reported now is scheduled a step sooner."""
+        wait_s = IDLE_LOAD_WAIT_S if step_tokens == 0 else 0.0
+        finished, counts = self._loader.finish(wait_s)  # also starts loads whose turn came
         for name, amount in counts.items():
             self._count(name, amount)
         failed = finished.failed or {}

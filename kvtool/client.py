@@ -116,7 +116,8 @@ def _merge_stream(response: httpx.Response, started: float) -> dict[str, Any]:
         for choice in chunk.get("choices") or []:
             if choice.get("index", 0) != 0:
                 continue
-            if ttft is None and choice.get("text"):
+            # The first token, even one whose text is empty (a byte of an unfinished character).
+            if ttft is None and (choice.get("text") or (choice.get("logprobs") or {}).get("tokens")):
                 ttft = time.perf_counter() - started
             text.append(choice.get("text") or "")
             finish_reason = choice.get("finish_reason") or finish_reason

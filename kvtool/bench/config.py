@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from collections.abc import Callable
+from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvtool.connectors import CONNECTOR_NAMES
 from kvtool.errors import UserError
@@ -13,6 +14,8 @@ from kvtool.verify import DEFAULT_LOGPROB_TOLERANCE
 
 from .workloads import TRACE_PREFIX, WORKLOADS, TraceReplay, Workload, workload_names
 from .workloads.prefix_repetition import PrefixRepetition
+
+_Model = TypeVar("_Model", bound=BaseModel)
 
 ConnectorName = Literal["kvtool", "vllm-mooncake-store", "lmcache", "none"]
 CONNECTORS: tuple[str, ...] = CONNECTOR_NAMES
@@ -51,6 +54,35 @@ class BenchConfig(BaseModel):
     prefix_repetition: PrefixRepetitionOptions = PrefixRepetitionOptions()
     durability_timeout_s: float = Field(default=30.0, gt=0)
     request_timeout_s: float = Field(default=300.0, gt=0)
+    # Seconds between the end of one request and a consumer request (a durability wait counts): on one
+    # machine an engine's work after a request (0.5-1 s here) shares the cores with the next request's
+    # HTTP handling, adding 20-200 ms to its TTFT, which engines on other hosts never see. The same for
+    # every connector (benchmarks/compare-peers/README.md).
+    quiet_s: float = Field(default=1.5, ge=0)
+
+    @classmethod
+    def from_options(cls, **options: Any) -> BenchConfig:
+        """The config for the CLI's flags (``trace_*`` and the prefix-repetition flags grouped); a
+        UserError naming the first bad flag otherwise."""
+        trace = {name: options.pop(f"trace_{name}") for name in ("block_tokens", "start", "requests")}
+        repetition = {name: options.pop(name) for name in ("prefix_len", "suffix_len", "num_prefixes")}
+        return _checked(
+            "",
+            lambda: cls(
+                **options,
+                trace=_checked("trace-", lambda: TraceOptions(**trace)),
+                prefix_repetition=_checked("", lambda: PrefixRepetitionOptions(**repetition)),
+            ),
+        )
+
+
+def _checked(prefix: str, build: Callable[[], _Model]) -> _Model:
+    """``build()``, or a UserError naming its first bad field as the CLI flag ``--{prefix}{field}``."""
+    try:
+        return build()
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise UserError(f"--{prefix}{str(first['loc'][-1]).replace('_', '-')}: {first['msg']}") from None
 
 
 def build_workload(spec: str, config: BenchConfig) -> Workload:

@@ -13,23 +13,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 
 from connector.hits import HitDetails
-from kvtool.admin import MooncakeAdmin, wait_for_key
 from kvtool.connectors import profile
 from kvtool.ready import ReadyFile, parse_ready_file, read_ready_file
 from kvtool.client import complete
+from kvtool.prometheus import total
 from kvtool.errors import ServerError, UserError
 from kvtool.procs import http_ok
 from kvtool.verify import compare_answers
 
 from .config import TOP_LOGPROBS, BenchConfig
+from .durability import Durability
 from .oracle import run_ideals
 from .workloads.base import FIRST_TOKEN_ID, Step, Target, Transcript
 
-KEY_COUNT_QUIET_S = 0.5  # vllm-mooncake-store gives no durability signal: wait for the store to go quiet
-SETTLE_S = 1.0  # LMCache gives none and has no master to ask: its saves get this long to land
-KEY_COUNT_POLL_S = 0.1
 REQUEST_LOG_WAIT_S = 5.0
 
 
@@ -71,6 +70,9 @@ class ConsumerResult:
     mismatch: str = ""
     lookup: str | None = None
     engine: Target = "consumer"
+    # vLLM's own TTFT (from the API server taking the request to its first token, /metrics): the
+    # client's less HTTP and request parsing, which vary by tens of ms on a busy machine.
+    engine_ttft_ms: float | None = None
 
 
 @dataclass(frozen=True)
@@ -171,77 +173,6 @@ def answer_token_ids(response: dict[str, Any]) -> tuple[int, ...] | None:
     return None
 
 
-# ---- durability -----------------------------------------------------------------------------
-
-
-class Durability:
-    """Waits, before a request that reuses earlier ones, until their saves are in the store: the
-    producer's prompt saves, and (chat) the consumer's answer saves."""
-
-    def __init__(self, pair: PairInfo, timeout_s: float) -> None:
-        self._pair = pair
-        self._timeout_s = timeout_s
-        self._pending_keys: list[str] = []
-        self._pending_unsignalled = False
-
-    def published(self, response: dict[str, Any]) -> int | None:
-        """Note a producer response; returns the number of objects it saves when the connector says."""
-        details = (response.get("kv_transfer_params") or {}).get("kvtool")
-        self._expect(details.get("save_last_key") if details else None, signalled=details is not None)
-        return details.get("save_objects") if details else None
-
-    def answered(self, record: HitDetails | None) -> None:
-        """Note a consumer request a later request reuses: its answer save, by the kvtool connector's
-        ``answer_last_key`` (none: it saved no answer), else by the fallback when the consumer saves
-        at all (roles both; a kv_consumer never does)."""
-        last_key = record.answer_last_key if record else None
-        self._expect(last_key, signalled=record is not None, saves=self._pair.roles == "both")
-
-    def _expect(self, last_key: str | None, signalled: bool, saves: bool = True) -> None:
-        """A save to wait for: its last key when the connector gives one, else the key-count fallback."""
-        if last_key:
-            self._pending_keys.append(last_key)
-        elif not signalled and saves and profile(self._pair.connector).durability in ("key_count", "settle"):
-            self._pending_unsignalled = True
-
-    def wait(self) -> tuple[float, bool] | None:
-        """Block until pending saves are durable: (milliseconds waited, timed out), None when nothing was pending."""
-        if not self._pending_keys and not self._pending_unsignalled:
-            return None
-        began = time.perf_counter()
-        timed_out = False
-        if self._pending_unsignalled and profile(self._pair.connector).durability == "settle":
-            time.sleep(SETTLE_S)
-            self._pending_unsignalled = False
-            return (time.perf_counter() - began) * 1000.0, False
-        assert self._pair.admin is not None
-        for key in self._pending_keys:
-            # Puts run in order, so the last key of a save covers the save.
-            if not wait_for_key(self._pair.admin, key, self._timeout_s):
-                timed_out = True
-        if self._pending_unsignalled:
-            timed_out = not self._wait_key_count_quiet()
-        self._pending_keys.clear()
-        self._pending_unsignalled = False
-        return (time.perf_counter() - began) * 1000.0, timed_out
-
-    def _wait_key_count_quiet(self) -> bool:
-        """Fallback without a signal: the master's key count has not changed for KEY_COUNT_QUIET_S."""
-        assert self._pair.admin is not None
-        store = MooncakeAdmin(self._pair.admin)
-        deadline = time.monotonic() + self._timeout_s
-        last, quiet_since = None, time.monotonic()
-        while time.monotonic() < deadline:
-            count = store.key_count()
-            now = time.monotonic()
-            if count != last:
-                last, quiet_since = count, now
-            elif now - quiet_since >= KEY_COUNT_QUIET_S:
-                return True
-            time.sleep(KEY_COUNT_POLL_S)
-        return False
-
-
 # ---- running --------------------------------------------------------------------------------
 
 Advance = Callable[[str], None]
@@ -255,6 +186,27 @@ class Exchange:
     response: dict[str, Any]
     record: HitDetails | None
     answer: tuple[int, ...] | None  # the generated token ids, when the response gave them
+    engine_ttft_ms: float | None = None
+
+
+TTFT_METRIC = "vllm:time_to_first_token_seconds"
+
+
+def engine_ttft_totals(url: str) -> tuple[float, float] | None:
+    """(sum, count) of vLLM's TTFT histogram, or None when /metrics does not answer with it."""
+    try:
+        text = httpx.get(url.rstrip("/") + "/metrics", timeout=5.0).text
+    except httpx.HTTPError:
+        return None
+    total_s, count = total(text, TTFT_METRIC + "_sum"), total(text, TTFT_METRIC + "_count")
+    return None if total_s is None or count is None else (total_s, count)
+
+
+def engine_ttft_ms(before: tuple[float, float] | None, after: tuple[float, float] | None) -> float | None:
+    """The one request's TTFT between two readings (requests run one at a time), else None."""
+    if before is None or after is None or after[1] - before[1] != 1:
+        return None
+    return (after[0] - before[0]) * 1000.0
 
 
 def request_log_readers(pair: PairInfo) -> dict[str, RequestLogReader]:
@@ -277,6 +229,7 @@ class PairRunner:
         self.config = config
         # A per-run salt keeps this run's prompts apart from an earlier run's on the same pair.
         self.run_id = uuid.uuid4().hex[:12]
+        self._last_done = 0.0  # when the last request ended (quiet_s counts from it)
         self.salt = f"kvtool-bench-{self.run_id}"
         self.request_logs = request_log_readers(pair)
 
@@ -314,9 +267,10 @@ class PairRunner:
             advance(step.target)
         return run
 
-    @staticmethod
-    def _wait(durability: Durability, run: WorkloadRun) -> None:
+    def _wait(self, durability: Durability, run: WorkloadRun) -> None:
         waited = durability.wait()
+        # Every connector's request, none's too, starts quiet_s after the last one ended (BenchConfig).
+        time.sleep(max(0.0, self._last_done + self.config.quiet_s - time.monotonic()))
         if waited is not None:
             run.durability_waits_ms.append(waited[0])
             run.durability_timeouts += waited[1]
@@ -333,6 +287,7 @@ class PairRunner:
         url = self.pair.consumer if consumer else self.pair.producer
         reader = self.request_logs.get(step.target) if measured else None
         tag = f"{self.run_id}-{name}-{index}"
+        before = engine_ttft_totals(url) if consumer and measured else None
         response = complete(
             url,
             self.pair.model,
@@ -351,7 +306,9 @@ class PairRunner:
                 f"the {step.target} at {url} returned no generated token ids (return_token_ids); "
                 f"workload {name} continues answers and needs them"
             )
-        return Exchange(prompt, response, record, answer)
+        engine_ttft = engine_ttft_ms(before, engine_ttft_totals(url)) if before is not None else None
+        self._last_done = time.monotonic()
+        return Exchange(prompt, response, record, answer, engine_ttft)
 
     def _log_record(self, engine: Target, reader: RequestLogReader, tag: str) -> HitDetails:
         record = reader.record(tag)
@@ -396,6 +353,7 @@ class PairRunner:
             block_hit_tokens=hit.block_tokens,
             tail_hit_tokens=hit.tail_tokens,
             ttft_ms=exchange.response["kvtool_timing"]["ttft_s"] * 1000.0,
+            engine_ttft_ms=exchange.engine_ttft_ms,
             verified=verified,
             matched=matched,
             max_logprob_diff=diff if diff is None or diff != float("inf") else None,

@@ -9,7 +9,6 @@ import typer
 
 from kvtool.commands.options import OutputOptions, PairOptions, with_options
 from kvtool.commands.output import check_writable, emit, user_errors_exit
-from kvtool.errors import UserError
 
 
 @user_errors_exit
@@ -51,16 +50,18 @@ def bench_command(
     prefix_len: Annotated[int, typer.Option(help="prefix-repetition: tokens of each shared prefix")] = 80,
     suffix_len: Annotated[int, typer.Option(help="prefix-repetition: tokens after the prefix")] = 24,
     num_prefixes: Annotated[int, typer.Option(help="prefix-repetition: distinct prefixes")] = 2,
+    quiet_s: Annotated[
+        float,
+        typer.Option(help="seconds from one request's end to a consumer request's start, durability wait included"),
+    ] = 1.5,
 ) -> None:
     """Replay seeded workloads on a producer/consumer pair and report reuse against an ideal oracle.
 
     Reports per workload and prompt-length bucket: prompt, ideal and hit tokens (block and tail), hit
     rate, efficiency (hit / ideal), consumer TTFT, and answers that differ from a recomputation.
     """
-    from pydantic import ValidationError
-
     from kvtool.bench.command import check_bench_input, parse_compare, run_bench
-    from kvtool.bench.config import BenchConfig, PrefixRepetitionOptions, TraceOptions
+    from kvtool.bench.config import BenchConfig
     from kvtool.bench.report import bench_report
 
     # Every input is checked before a pair is read, reached or started.
@@ -68,24 +69,12 @@ def bench_command(
     output.check()
     check_writable(plot, "--plot")
     compared = parse_compare(compare)
-    try:
-        config = BenchConfig(
-            workloads=tuple(workload or ("sub-block",)),
-            requests=requests,
-            max_tokens=max_tokens,
-            seed=seed,
-            verify=verify,
-            tolerance=tolerance,
-            trace=TraceOptions(block_tokens=trace_block_tokens, start=trace_start, requests=trace_requests),
-            prefix_repetition=PrefixRepetitionOptions(
-                prefix_len=prefix_len, suffix_len=suffix_len, num_prefixes=num_prefixes
-            ),
-        )
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        field = first["loc"][-1]
-        prefix = "trace-" if first["loc"][0] == "trace" else ""
-        raise UserError(f"--{prefix}{str(field).replace('_', '-')}: {first['msg']}") from None
+    config = BenchConfig.from_options(
+        workloads=tuple(workload or ("sub-block",)), requests=requests, max_tokens=max_tokens, seed=seed,
+        verify=verify, tolerance=tolerance, quiet_s=quiet_s, trace_block_tokens=trace_block_tokens,
+        trace_start=trace_start, trace_requests=trace_requests, prefix_len=prefix_len, suffix_len=suffix_len,
+        num_prefixes=num_prefixes,
+    )  # fmt: skip
     check_bench_input(config, ready_file, launch, compared)
     launch_cfg = pair_options.config(report=output.say) if launch else None
 

@@ -123,7 +123,7 @@ def test_the_transcript_refuses_an_answer_it_does_not_have():
 
 
 def test_the_plan_leaves_chat_ideals_to_the_run_and_bounds_its_prompts():
-    config = BenchConfig(workloads=("chat", "sub-block"), requests=3, max_tokens=4)
+    config = BenchConfig(workloads=("chat", "sub-block"), requests=3, max_tokens=4, quiet_s=0)
     chat, sub_block = plan_workloads(config, block_size=16, hash_unit=1, vocab_size=64, max_model_len=120)
     assert chat.ideal is None and sub_block.ideal is not None
     assert max(longest_prompts(chat.steps)) <= 120 - 4 - 1
@@ -227,7 +227,7 @@ def ready(connector: str, roles: str | None = "both", logs: dict[str, str] | Non
 def waited(monkeypatch) -> list[str]:
     """The keys the bench waits for; "key count" for a wait on the master's key count."""
     keys: list[str] = []
-    monkeypatch.setattr("kvtool.bench.runner.wait_for_key", lambda _admin, key, _timeout: keys.append(key) or True)
+    monkeypatch.setattr("kvtool.bench.durability.wait_for_key", lambda _admin, key, _timeout: keys.append(key) or True)
     monkeypatch.setattr(Durability, "_wait_key_count_quiet", lambda _self: keys.append("key count") or True)
     return keys
 
@@ -306,7 +306,7 @@ def run_chat(tmp_path: Path, monkeypatch, waited: list[str], connector: str, ver
     monkeypatch.setattr("kvtool.bench.runner.complete", fake.complete)
     pair = ready(connector, logs={engine: str(path) for engine, path in logs.items()})
     steps = Chat().steps(SHAPE)
-    run = PairRunner(pair, BenchConfig(verify=verify)).run("chat", steps, None, lambda _target: None)
+    run = PairRunner(pair, BenchConfig(verify=verify, quiet_s=0)).run("chat", steps, None, lambda _target: None)
     return steps, run, [request for request in fake.sent if request.get("prompt_logprobs") is None]
 
 
@@ -351,7 +351,7 @@ def test_static_workloads_measure_only_the_consumer(tmp_path, monkeypatch, waite
     monkeypatch.setattr("kvtool.bench.runner.complete", fake.complete)
     steps = build_workload("multi-turn", BenchConfig()).steps(SHAPE)
     pair = ready("kvtool", logs={engine: str(path) for engine, path in logs.items()})
-    run = PairRunner(pair, BenchConfig(verify=False)).run("w", steps, ideal_hits(steps, 16, 1), lambda _: None)
+    run = PairRunner(pair, BenchConfig(verify=False, quiet_s=0)).run("w", steps, ideal_hits(steps, 16, 1), lambda _: None)
     assert not run.measured_producers and len(run.consumers) == SHAPE.requests
     assert all(r.get("kv_transfer_params") is None for r in fake.sent if r["engine"] == "producer")
     assert all("return_token_ids" not in r["extra"] for r in fake.sent)

@@ -8,7 +8,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from kvtool.bench.runner import Durability, PairInfo
+from kvtool.bench.durability import Durability
+from kvtool.bench.runner import PairInfo
 
 
 class FakeAdmin(BaseHTTPRequestHandler):

@@ -195,3 +195,27 @@ def test_cli_bad_input_is_one_line(tmp_path):
     assert "--compare" in one_line_error(["--pair", str(ready), "--compare", "kvtool,none"])
     assert "--compare 'kvtool,x'" in one_line_error(["--launch", "--compare", "kvtool,x"])
     assert "--requests" in one_line_error(["--pair", str(ready), "--requests", "0"])
+
+
+def test_engine_ttft_is_the_one_request_between_two_readings():
+    from kvtool.bench.runner import engine_ttft_ms
+
+    assert engine_ttft_ms((1.0, 4), (1.032, 5)) == pytest.approx(32.0)
+    assert engine_ttft_ms((1.0, 4), (1.5, 6)) is None  # another request finished in between
+    assert engine_ttft_ms(None, (1.5, 5)) is None and engine_ttft_ms((1.0, 4), None) is None
+
+
+def test_bench_flags_map_to_the_config_and_a_bad_one_is_named():
+    from kvtool.bench.config import BenchConfig
+    from kvtool.errors import UserError
+
+    options = dict(
+        workloads=("sub-block",), requests=2, max_tokens=3, seed=1, verify=True, tolerance=1e-3, quiet_s=0.0,
+        trace_block_tokens=16, trace_start=4, trace_requests=None, prefix_len=80, suffix_len=24, num_prefixes=2,
+    )  # fmt: skip
+    config = BenchConfig.from_options(**options)
+    assert config.trace.start == 4 and config.quiet_s == 0.0 and config.prefix_repetition.prefix_len == 80
+    with pytest.raises(UserError, match="--trace-block-tokens"):
+        BenchConfig.from_options(**{**options, "trace_block_tokens": 0})
+    with pytest.raises(UserError, match="--quiet-s"):
+        BenchConfig.from_options(**{**options, "quiet_s": -1.0})

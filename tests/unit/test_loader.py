@@ -194,3 +194,22 @@ def test_a_load_the_store_time_out_gave_up_on_keeps_its_slots_until_the_client_r
         backend.gate.set()
         calls.shutdown()
         timed.close()
+
+
+def test_an_idle_step_waits_for_the_fetch_in_flight_and_reports_it_received(monkeypatch):
+    """After a step that computed nothing, finish waits for the fetch instead of returning at once:
+    vLLM learns of the load in this step, not after more empty steps."""
+    accept_any(monkeypatch)
+    store = GatedStore()
+    instance, calls, written = loader(store)
+    try:
+        instance.start(load("a"))
+        finished, _ = instance.finish()  # a step that computed tokens does not wait
+        assert not finished.received
+        threading.Timer(0.05, store.gate.set).start()
+        finished, _ = instance.finish(wait_s=30)  # ends when the fetch answers, long before 30 s
+        assert finished.received == {"a"} and not finished.failed
+        assert written == [(0, b"k0")]
+    finally:
+        store.gate.set()
+        calls.shutdown()
