@@ -132,6 +132,11 @@ class SchedulerSide:
         req_id = request.request_id
         if self._lookups is None or len(tracked.keys.tokens) < 2 or tracked.unhashable:
             return 0, False
+        if getattr(request, "skip_reading_prefix_cache", False):
+            # vLLM drops any hit of a request that reads no cached prefix (prompt_logprobs): no lookup, so
+            # no step waits for one; its prompt is still saved.
+            tracked.lookup = "not looked up: the request reads no cached prefix (prompt_logprobs)"
+            return 0, False
         if not self._loads_enabled:
             # A producer only learns what is stored already, for its save; it never waits for that.
             self._lookups.want(req_id, tracked.keys)

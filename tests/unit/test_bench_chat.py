@@ -351,7 +351,9 @@ def test_static_workloads_measure_only_the_consumer(tmp_path, monkeypatch, waite
     monkeypatch.setattr("kvtool.bench.runner.complete", fake.complete)
     steps = build_workload("multi-turn", BenchConfig()).steps(SHAPE)
     pair = ready("kvtool", logs={engine: str(path) for engine, path in logs.items()})
-    run = PairRunner(pair, BenchConfig(verify=False, quiet_s=0)).run("w", steps, ideal_hits(steps, 16, 1), lambda _: None)
+    run = PairRunner(pair, BenchConfig(verify=False, quiet_s=0)).run(
+        "w", steps, ideal_hits(steps, 16, 1), lambda _: None
+    )
     assert not run.measured_producers and len(run.consumers) == SHAPE.requests
     assert all(r.get("kv_transfer_params") is None for r in fake.sent if r["engine"] == "producer")
     assert all("return_token_ids" not in r["extra"] for r in fake.sent)

@@ -397,3 +397,18 @@ def test_without_measurements_every_hit_is_taken():
         CONFIG, NS, store, loads_enabled=True, saves_enabled=False, lookup_calls=InlineCalls(), block_bytes=(1 << 30,)
     )
     assert lookup(side, request(PROMPT + [1, 2, 3])) == (85, True)
+
+
+def test_a_request_that_reads_no_cached_prefix_is_answered_at_once_without_a_lookup():
+    """vLLM drops the hit of a prompt_logprobs request anyway: no lookup, no step spent waiting for one."""
+    store = ScriptedStore()
+    publish(store, PROMPT)
+    asked = []
+    store.exists = lambda keys: asked.append(keys) or [True] * len(keys)
+    side = consumer(store)
+    req = request(PROMPT + [1], skip_reading_prefix_cache=True)
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    side.build_connector_meta(EMPTY_STEP)
+    assert asked == []
+    details = side.request_finished(req)[1]["kvtool"]
+    assert details["lookup"].startswith("not looked up") and details["external_hit_tokens"] == 0
