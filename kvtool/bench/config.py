@@ -54,7 +54,7 @@ class BenchConfig(BaseModel):
     prefix_repetition: PrefixRepetitionOptions = PrefixRepetitionOptions()
     durability_timeout_s: float = Field(default=30.0, gt=0)
     request_timeout_s: float = Field(default=300.0, gt=0)
-    # Seconds between the end of one request and a consumer request (a durability wait counts): on one
+    # Seconds between the end of one request and the start of the next (a durability wait counts): on one
     # machine an engine's work after a request (0.5-1 s here) shares the cores with the next request's
     # HTTP handling, adding 20-200 ms to its TTFT, which engines on other hosts never see. The same for
     # every connector (benchmarks/compare-peers/README.md).

@@ -80,6 +80,9 @@ def summarize(
         ),
         "producer_requests": len(producer_ms),
         "producer_ms_p50": percentile(producer_ms, 0.5),
+        "producer_engine_ms_p50": percentile(
+            [p.engine_latency_ms for r in runs for p in r.producers if p.engine_latency_ms is not None], 0.5
+        ),
         "durability_wait_ms_p50": percentile(waits_ms, 0.5),
         "durability_timeouts": sum(r.durability_timeouts for r in runs),
         **({"engines": engines} if len(engines) > 1 else {}),

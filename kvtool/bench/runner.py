@@ -82,6 +82,7 @@ class ProducerResult:
     prompt_tokens: int
     latency_ms: float
     saved_objects: int | None
+    engine_latency_ms: float | None = None  # vLLM's own (vllm:e2e_request_latency_seconds): no HTTP
 
 
 @dataclass
@@ -186,24 +187,25 @@ class Exchange:
     response: dict[str, Any]
     record: HitDetails | None
     answer: tuple[int, ...] | None  # the generated token ids, when the response gave them
-    engine_ttft_ms: float | None = None
+    engine_ms: float | None = None  # vLLM's own figure for it: a consumer's TTFT, a producer's latency
 
 
-TTFT_METRIC = "vllm:time_to_first_token_seconds"
+TTFT_METRIC = "vllm:time_to_first_token_seconds"  # from the API server taking a request to its first token
+LATENCY_METRIC = "vllm:e2e_request_latency_seconds"
 
 
-def engine_ttft_totals(url: str) -> tuple[float, float] | None:
-    """(sum, count) of vLLM's TTFT histogram, or None when /metrics does not answer with it."""
+def engine_totals(url: str, metric: str) -> tuple[float, float] | None:
+    """(sum, count) of one of vLLM's histograms, or None when /metrics does not answer with it."""
     try:
         text = httpx.get(url.rstrip("/") + "/metrics", timeout=5.0).text
     except httpx.HTTPError:
         return None
-    total_s, count = total(text, TTFT_METRIC + "_sum"), total(text, TTFT_METRIC + "_count")
+    total_s, count = total(text, metric + "_sum"), total(text, metric + "_count")
     return None if total_s is None or count is None else (total_s, count)
 
 
-def engine_ttft_ms(before: tuple[float, float] | None, after: tuple[float, float] | None) -> float | None:
-    """The one request's TTFT between two readings (requests run one at a time), else None."""
+def engine_ms(before: tuple[float, float] | None, after: tuple[float, float] | None) -> float | None:
+    """The one request's figure between two readings (requests run one at a time), else None."""
     if before is None or after is None or after[1] - before[1] != 1:
         return None
     return (after[0] - before[0]) * 1000.0
@@ -256,6 +258,8 @@ class PairRunner:
             prompt = transcript.resolve(index, step)
             if step.waits_for_saves:
                 self._wait(durability, run)
+            # Every request, on every connector, starts quiet_s after the last one ended (BenchConfig).
+            time.sleep(max(0.0, self._last_done + self.config.quiet_s - time.monotonic()))
             ideal_tokens = ideals.of(index, prompt)
             exchange = self._send(name, index, step, prompt, ideal_tokens is not None, needs_answer=ideal is None)
             if exchange.answer is not None:
@@ -269,8 +273,6 @@ class PairRunner:
 
     def _wait(self, durability: Durability, run: WorkloadRun) -> None:
         waited = durability.wait()
-        # Every connector's request, none's too, starts quiet_s after the last one ended (BenchConfig).
-        time.sleep(max(0.0, self._last_done + self.config.quiet_s - time.monotonic()))
         if waited is not None:
             run.durability_waits_ms.append(waited[0])
             run.durability_timeouts += waited[1]
@@ -287,7 +289,8 @@ class PairRunner:
         url = self.pair.consumer if consumer else self.pair.producer
         reader = self.request_logs.get(step.target) if measured else None
         tag = f"{self.run_id}-{name}-{index}"
-        before = engine_ttft_totals(url) if consumer and measured else None
+        metric = TTFT_METRIC if consumer else LATENCY_METRIC
+        before = engine_totals(url, metric) if measured or not consumer else None
         response = complete(
             url,
             self.pair.model,
@@ -306,9 +309,9 @@ class PairRunner:
                 f"the {step.target} at {url} returned no generated token ids (return_token_ids); "
                 f"workload {name} continues answers and needs them"
             )
-        engine_ttft = engine_ttft_ms(before, engine_ttft_totals(url)) if before is not None else None
+        figure = engine_ms(before, engine_totals(url, metric)) if before is not None else None
         self._last_done = time.monotonic()
-        return Exchange(prompt, response, record, answer, engine_ttft)
+        return Exchange(prompt, response, record, answer, figure)
 
     def _log_record(self, engine: Target, reader: RequestLogReader, tag: str) -> HitDetails:
         record = reader.record(tag)
@@ -334,7 +337,9 @@ class PairRunner:
         if step.target == "producer":
             saved = durability.published(exchange.response)
             latency_ms = exchange.response["kvtool_timing"]["total_s"] * 1000.0
-            run.producers.append(ProducerResult(name, index, len(exchange.prompt), latency_ms, saved))
+            run.producers.append(
+                ProducerResult(name, index, len(exchange.prompt), latency_ms, saved, exchange.engine_ms)
+            )
         if ideal_tokens is not None:
             measured = self._measure(name, index, step, exchange, ideal_tokens)
             (run.consumers if step.target == "consumer" else run.measured_producers).append(measured)
@@ -353,7 +358,7 @@ class PairRunner:
             block_hit_tokens=hit.block_tokens,
             tail_hit_tokens=hit.tail_tokens,
             ttft_ms=exchange.response["kvtool_timing"]["ttft_s"] * 1000.0,
-            engine_ttft_ms=exchange.engine_ttft_ms,
+            engine_ttft_ms=exchange.engine_ms if step.target == "consumer" else None,
             verified=verified,
             matched=matched,
             max_logprob_diff=diff if diff is None or diff != float("inf") else None,

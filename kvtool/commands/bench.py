@@ -52,7 +52,7 @@ def bench_command(
     num_prefixes: Annotated[int, typer.Option(help="prefix-repetition: distinct prefixes")] = 2,
     quiet_s: Annotated[
         float,
-        typer.Option(help="seconds from one request's end to a consumer request's start, durability wait included"),
+        typer.Option(help="seconds from one request's end to the next one's start, durability wait included"),
     ] = 1.5,
 ) -> None:
     """Replay seeded workloads on a producer/consumer pair and report reuse against an ideal oracle.
