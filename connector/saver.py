@@ -32,6 +32,9 @@ logger = logging.getLogger("vllm.kvtool")
 
 DROPPED_BUDGET = "dropped_budget"  # not copied: the save budget was full
 DROPPED_SHUTDOWN = "dropped_shutdown"  # not tried: the engine shut down first
+# A put the store refused for lack of space is tried again after each of these pauses (its master evicts
+# in the background, above 90% of its capacity): under pressure a save loses its later objects less often.
+NO_SPACE_RETRY_DELAYS_S = (0.05, 0.2)
 
 
 @dataclass(frozen=True)
@@ -182,14 +185,27 @@ class Saver:
         for copy in copies:
             if copy.header is not None:
                 seal_object(copy.header, copy.region.view)
-        try:
-            outcomes = self._store.put_from([(c.key, c.region) for c in copies], lease) if copies else []
-        except StoreError as exc:
-            self._warn_once("put", f"kvtool: put failed, that prefix stays a miss: {exc}")
-            return [PutOutcome.FAILED] * len(copies)
+        outcomes = self._put_from(copies, lease)
+        # A full store refuses puts until its master has evicted, which it does in the background: the
+        # refused objects are tried again after a pause (on this thread; the engine never waits).
+        for delay_s in NO_SPACE_RETRY_DELAYS_S:
+            refused = [index for index, outcome in enumerate(outcomes) if outcome is PutOutcome.NO_SPACE]
+            if not refused or self._stopping():
+                break
+            time.sleep(delay_s)
+            self._count("puts_retried_no_space", len(refused))
+            for index, outcome in zip(refused, self._put_from([copies[i] for i in refused], lease), strict=True):
+                outcomes[index] = outcome
         if PutOutcome.NO_SPACE in outcomes:
             self._warn_once("no-space", "kvtool: the store is full; puts are dropped until it evicts")
         return outcomes
+
+    def _put_from(self, copies: list[ObjectCopy], lease: Lease) -> list[PutOutcome]:
+        try:
+            return self._store.put_from([(c.key, c.region) for c in copies], lease) if copies else []
+        except StoreError as exc:
+            self._warn_once("put", f"kvtool: put failed, that prefix stays a miss: {exc}")
+            return [PutOutcome.FAILED] * len(copies)
 
     def _put_pointers(self, pointers: list[tuple[str, bytes]]) -> None:
         """Point to the save's stored objects from the divergence points inside them: one batch put, after

@@ -12,6 +12,7 @@ from connector.data import BlockTransfer, KVToolMetadata, RequestLoad, RequestSa
 from connector.keys import KeyKind
 from connector.objects import HEADER_SIZE
 from connector.prefix import PromptKeys, plan_save
+from connector.saver import NO_SPACE_RETRY_DELAYS_S
 from connector.store import PutOutcome
 from connector.watermarks import SaveState
 from connector.worker import WorkerSide
@@ -88,10 +89,35 @@ def test_a_save_is_durable_only_up_to_its_first_failed_put():
     side.wait_for_save(KVToolMetadata(saves=[prompt_save("a", 0, 85, [1, 2, 3])]))
     side.shutdown()
     data = [key for key in tried if "/w/" not in key]
-    assert len(data) == 3  # one batch: block 1 and the tail went with block 0 (unreachable without it)
+    # One batch: block 1 and the tail went with block 0 (unreachable without it); the refused block
+    # was tried again after each pause, the others were not.
+    assert len(data) == 3 + len(NO_SPACE_RETRY_DELAYS_S) and len(set(data)) == 3
     stats = side.take_stats()
     assert (stats["saves_no_space"], stats["saves_stored"]) == (1, 2)
+    assert stats["puts_retried_no_space"] == len(NO_SPACE_RETRY_DELAYS_S)
     assert records(store)[1].durable_offset == 0
+
+
+def test_a_put_refused_for_space_is_stored_once_the_store_has_evicted():
+    store = ScriptedStore()
+    refusals = {"left": 1}
+
+    def outcome(key):
+        if "/b/32/" in key and refusals["left"]:
+            refusals["left"] -= 1
+            return PutOutcome.NO_SPACE  # full, until the master evicts in the background
+        return PutOutcome.STORED
+
+    store.put_outcome_for = outcome
+    side = WorkerSide(NS, store, config(), saves_enabled=True)
+    side.register_kv_caches(kv_caches("random"), [LAYERS], NUM_BLOCKS)
+    side.wait_for_save(KVToolMetadata(saves=[prompt_save("a", 0, 85, [1, 2, 3])]))
+    side.shutdown()
+    stats = side.take_stats()
+    assert stats["saves_stored"] == 3 and "saves_no_space" not in stats
+    assert stats["puts_retried_no_space"] == 1
+    final = records(store)[1]
+    assert (final.state, final.durable_offset, final.tail_durable) == (SaveState.DURABLE, 85, True)
 
 
 def test_objects_already_in_the_store_are_not_sent_again():
