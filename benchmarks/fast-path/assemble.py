@@ -106,11 +106,30 @@ def peer_fields(peers: dict[str, Any] | None) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def capacity_fields(capacity: dict[str, Any] | None) -> dict[str, Any]:
+    """Reuse under capacity pressure (``../capacity-pressure``): kvtool's reused tokens over vLLM's connector's."""
+    if capacity is None:
+        return {}
+    summary = {name: run["summary"] for name, run in capacity["connectors"].items()}
+    kvtool, peer = summary.get("kvtool", {}), summary.get("vllm-mooncake-store", {})
+    value = ratio(kvtool.get("hit_tokens"), peer.get("hit_tokens"))
+    blocks = ratio(kvtool.get("block_hit_tokens"), peer.get("block_hit_tokens"))
+    return {
+        "capacity_pressure_reuse_vs_vllm_connector": field(
+            {"reused_tokens": value, "block_tokens": blocks},
+            ">= 1.0 (reused tokens, tails never costing blocks)",
+            value is not None and value >= 1.0 and blocks is not None and blocks >= 1.0,
+            "../capacity-pressure/results.json (kvtool bench --compare --segment-mib 16)",
+        )
+    }
+
+
 def main() -> None:
     results: dict[str, Any] = {
         **data_path_fields(load(HERE / "data_path.json")),
         **lookup_fields(load(HERE / "lookup_latency.json"), load(HERE / "lookup_cpu.json")),
         **peer_fields(load(PEERS)),
+        **capacity_fields(load(HERE.parent / "capacity-pressure" / "results.json")),
         "stream_gap_vs_none": field(
             None, "<= 1.2", None, "-",
             "not measured yet: decode_stall measures streams against a frozen store, not against 8k-token saves",
