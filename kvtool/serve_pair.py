@@ -374,15 +374,3 @@ def default_log_dir() -> Path:
 
 
 Reporter = Callable[[str], None]
-
-# The running half (start, supervise, stop) lives in kvtool.launch, which imports this module;
-# its public names stay importable from here.
-_LAUNCH_NAMES = {"Interrupted", "launched_pair", "run_pair", "signals_raise_interrupted"}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAUNCH_NAMES:
-        from kvtool import launch
-
-        return getattr(launch, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

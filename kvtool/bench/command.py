@@ -12,7 +12,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvtool.errors import UserError
-from kvtool.serve_pair import Reporter, ServePairConfig, launched_pair
+from kvtool.launch import launched_pair
+from kvtool.serve_pair import Reporter, ServePairConfig
 from kvtool.smoke import model_vocab_size
 
 from .config import CONNECTORS, BenchConfig, build_workload

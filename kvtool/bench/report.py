@@ -277,10 +277,12 @@ def _efficiency_row(name: str, summaries: dict[str, dict[str, Any] | None]) -> d
     """One row of the per-workload comparison: efficiency / TTFT p50 / engine TTFT p50 on each connector."""
     row: dict[str, Any] = {"workload": name}
     for connector, summary in summaries.items():
-        if summary is not None:
-            ttfts = f"{_ms(summary['ttft_ms_p50'])} / {_ms(summary.get('engine_ttft_ms_p50'))}"
-        row[connector] = None if summary is None else f"{_pct(summary['efficiency'])} / {ttfts}"
+        row[connector] = None if summary is None else _efficiency_cell(summary)
     return row
+
+
+def _efficiency_cell(summary: dict[str, Any]) -> str:
+    return f"{_pct(summary['efficiency'])} / {_ms(summary['ttft_ms_p50'])} / {_ms(summary.get('engine_ttft_ms_p50'))}"
 
 
 def bench_report(reports: dict[str, dict[str, Any]], document: dict[str, Any], compare: bool) -> Report:
