@@ -412,3 +412,21 @@ def test_a_request_that_reads_no_cached_prefix_is_answered_at_once_without_a_loo
     assert asked == []
     details = side.request_finished(req)[1]["kvtool"]
     assert details["lookup"].startswith("not looked up") and details["external_hit_tokens"] == 0
+
+
+def test_a_producer_request_that_reads_no_cached_prefix_still_saves_its_prompt():
+    store = ScriptedStore()
+    side = SchedulerSide(CONFIG, NS, store, loads_enabled=False, saves_enabled=True, lookup_calls=InlineCalls())
+    req = request(PROMPT, skip_reading_prefix_cache=True)
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    new = SimpleNamespace(req_id="r1", block_ids=([4, 5, 6],), num_computed_tokens=0)
+    cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[])
+    meta = side.build_connector_meta(
+        SimpleNamespace(scheduled_new_reqs=[new], scheduled_cached_reqs=cached, num_scheduled_tokens={"r1": 85})
+    )
+    (save,) = meta.saves
+    assert [(t.block_id, t.kind.value, t.token_end) for t in save.transfers] == [
+        (4, "b", 32),
+        (5, "b", 64),
+        (6, "t", 85),
+    ]
