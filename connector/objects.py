@@ -8,10 +8,16 @@ whole-block copies are layout-agnostic). The reader's layout says which: ``paylo
 A state object (a Mamba group's state after ``token_end`` tokens) is the group's block that holds it,
 with ``token_start`` 0.
 
-Header (little-endian, 80 bytes, format 2):
+Header (little-endian, 96 bytes, format 3):
     magic "KVT0" | format u16 | header size u16 | namespace fingerprint 16B | chain hash 16B |
     kind u8 | group u8 | dtype 16B ascii | layers u16 | token_start u32 | token_end u32 |
-    payload length u64 | payload crc32 u32
+    payload length u64 | payload checksum u64 (XXH3-64) | reserved 12B (zero; the payload starts
+    32-byte aligned in its slot)
+
+The payload checksum is XXH3-64: about 33 GB/s here against CRC-32's 7 (format 2), so a 100 MB
+save or load spends 3 ms on it instead of 15 (``benchmarks/fast-path/data_path.py``), and it releases
+the GIL on large buffers. It guards against torn or misplaced bytes, not against an adversary:
+the store has no authentication, and network isolation is the operator's (README, security).
 
 Every load checks every field against what the reader expects; any mismatch rejects the object.
 """
@@ -22,13 +28,21 @@ import struct
 import zlib
 from dataclasses import dataclass
 
+import xxhash
+
 from .keys import KeyKind
 
 MAGIC = b"KVT0"
-FORMAT_VERSION = 2
-_HEADER = struct.Struct("<4sHH16s16sBB16sHIIQI")
+FORMAT_VERSION = 3
+_HEADER = struct.Struct("<4sHH16s16sBB16sHIIQQ12s")
+_RESERVED = bytes(12)
 HEADER_SIZE = _HEADER.size
 _KIND_CODES = {KeyKind.BLOCK: 0, KeyKind.TAIL: 1, KeyKind.STATE: 2}
+
+
+def payload_checksum(payload: bytes | bytearray | memoryview) -> int:
+    """The object payload's checksum (XXH3-64, seed 0)."""
+    return xxhash.xxh3_64_intdigest(payload)
 
 
 class ObjectRejected(Exception):
@@ -75,6 +89,7 @@ def encode_header(header: ObjectHeader) -> bytes:
         header.token_end,
         header.payload_len,
         header.payload_crc,
+        _RESERVED,
     )
 
 
@@ -89,7 +104,7 @@ def encode_object(header: ObjectHeader, payload: bytes | memoryview) -> bytes:
 def seal_object(header: ObjectHeader, data: bytearray | memoryview) -> None:
     """Fill in the header of an object whose payload is already in place after ``HEADER_SIZE`` bytes.
 
-    The engine's step copies a block's bytes straight into such a buffer; the checksum (CRC-32, which
+    The engine's step copies a block's bytes straight into such a buffer; the checksum (XXH3-64, which
     releases the GIL on large buffers) and the header are written here, on the saver's thread."""
     payload = memoryview(data)[HEADER_SIZE:]
     filled = ObjectHeader(
@@ -101,7 +116,7 @@ def seal_object(header: ObjectHeader, data: bytearray | memoryview) -> None:
         token_start=header.token_start,
         token_end=header.token_end,
         payload_len=len(payload),
-        payload_crc=zlib.crc32(payload),
+        payload_crc=payload_checksum(payload),
         group=header.group,
     )
     data[:HEADER_SIZE] = encode_header(filled)
@@ -110,7 +125,7 @@ def seal_object(header: ObjectHeader, data: bytearray | memoryview) -> None:
 def decode_header(data: bytes | memoryview) -> ObjectHeader:
     if len(data) < HEADER_SIZE:
         raise ObjectRejected("truncated", f"{len(data)} bytes is shorter than the {HEADER_SIZE}-byte header")
-    (magic, version, header_size, ns, chain, kind_code, group, dtype, layers, start, end, plen, crc) = (
+    (magic, version, header_size, ns, chain, kind_code, group, dtype, layers, start, end, plen, crc, reserved) = (
         _HEADER.unpack_from(data)
     )
     if magic != MAGIC:
@@ -118,6 +133,8 @@ def decode_header(data: bytes | memoryview) -> ObjectHeader:
     if version != FORMAT_VERSION or header_size != HEADER_SIZE:
         raise ObjectRejected("version", f"object format {version} is not {FORMAT_VERSION}")
     kinds = {code: kind for kind, code in _KIND_CODES.items()}
+    if reserved != _RESERVED:
+        raise ObjectRejected("corrupt", "reserved header bytes are not zero")
     if kind_code not in kinds:
         raise ObjectRejected("corrupt", f"unknown kind code {kind_code}")
     return ObjectHeader(
@@ -162,7 +179,7 @@ def verify_object(data: bytes | memoryview, expected: ObjectHeader) -> memoryvie
             "truncated", f"object is {len(data)} bytes, header says {HEADER_SIZE + header.payload_len}"
         )
     payload = memoryview(data)[HEADER_SIZE:]
-    if zlib.crc32(payload) != header.payload_crc:
+    if payload_checksum(payload) != header.payload_crc:
         raise ObjectRejected("checksum", "payload checksum does not match")
     return payload
 

@@ -19,6 +19,7 @@ from collections import Counter
 
 import torch
 
+from .blockcopy import BlockRows
 from .calls import BoundedCalls
 from .config import KVToolConfig
 from .data import BlockTransfer, KVToolMetadata, KVToolWorkerMeta, RequestSave
@@ -58,6 +59,7 @@ class WorkerSide:
         self._groups: list[list[torch.Tensor]] = []  # per KV cache group: its layers' cache tensors
         self._widest_views: tuple[torch.Tensor, ...] = ()
         self._group_bytes: list[int] = []  # per group: bytes of one block across its layers
+        self._rows: list[BlockRows | None] = []  # per group: its tensors' byte rows, for whole-block copies
         self._load_failures: dict[str, tuple[int, str]] = {}
         self._sent: set[str] = set()
         self._step_start: float | None = None
@@ -108,6 +110,7 @@ class WorkerSide:
                 widest[tensor.data_ptr()] = tensor
         self._widest_views = tuple(widest.values())
         self._group_bytes = [sum(t[0].numel() * t.element_size() for t in tensors) for tensors in groups]
+        self._rows = [BlockRows.of(tensors) for tensors in groups]
         # Per group: bytes a token takes across its layers, where its blocks are cut per token (else 0).
         self._token_bytes = [
             sum(token_bytes(t[0]) for t in tensors)
@@ -261,12 +264,22 @@ class WorkerSide:
         return set(finished.received), set(failed)
 
     def _write_block(self, transfer: BlockTransfer, payload: memoryview) -> None:
+        rows = self._whole_rows(transfer)
+        if rows is not None:
+            rows.scatter(transfer.block_id, torch.frombuffer(payload, dtype=torch.uint8, count=rows.nbytes))
+            return
         offset = 0
         for target in self._pieces(transfer):
             size = target.numel() * target.element_size()
             source = torch.frombuffer(payload, dtype=torch.uint8, count=size, offset=offset)
             target.copy_(source.view(target.dtype).view(target.shape))
             offset += size
+
+    def _whole_rows(self, transfer: BlockTransfer) -> BlockRows | None:
+        """The group's byte rows where the object is its whole block (not a tail cut per token)."""
+        if transfer.kind is KeyKind.TAIL and self._token_bytes[transfer.group]:
+            return None
+        return self._rows[transfer.group]
 
     def _pieces(self, transfer: BlockTransfer) -> list[torch.Tensor]:
         """The parts of the KV cache an object holds, in its payload's order: each layer's block, or
@@ -334,6 +347,10 @@ class WorkerSide:
     def _copy_block(self, transfer: BlockTransfer, region: Region) -> None:
         """The object's parts of the block (``_pieces``), in turn, after room for the header: one copy."""
         target = torch.frombuffer(region.view, dtype=torch.uint8)
+        rows = self._whole_rows(transfer)
+        if rows is not None:
+            rows.gather(transfer.block_id, target[HEADER_SIZE : HEADER_SIZE + rows.nbytes])
+            return
         offset = HEADER_SIZE
         for piece in self._pieces(transfer):
             source = piece.contiguous().view(torch.uint8).reshape(-1)  # a tail's strided K: a small copy

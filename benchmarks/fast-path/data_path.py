@@ -44,7 +44,7 @@ from lookup_latency import start_master  # noqa: E402 - the sibling script
 from connector.config import load_config  # noqa: E402
 from connector.data import BlockTransfer, KVToolMetadata, RequestLoad, RequestSave  # noqa: E402
 from connector.keys import Namespace  # noqa: E402
-from connector.objects import HEADER_SIZE  # noqa: E402
+from connector.objects import HEADER_SIZE, payload_checksum  # noqa: E402
 from connector.prefix import PromptKeys, plan_save  # noqa: E402
 from connector.store import open_store  # noqa: E402
 from connector.worker import WorkerSide  # noqa: E402
@@ -159,20 +159,24 @@ class Raw:
 
 
 def cpu_work(nbytes: int) -> dict[str, list[float]]:
-    """What the connector adds to a transfer, per byte, on this machine: the CRC-32 of every object and
-    the copy between the staging area and the KV cache (both made once per object and direction)."""
+    """What the connector adds to a transfer, per byte, on this machine: the checksum of every object
+    (XXH3-64 since format 3; CRC-32, format 2's, beside it) and the copy between the staging area and
+    the KV cache (both made once per object and direction)."""
     source = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
     target = torch.empty_like(source)
     target.copy_(source)  # first touch
-    crc, copy = [], []
+    crc, checksum, copy = [], [], []
     for _ in range(5):
         start = time.perf_counter()
         zlib.crc32(memoryview(source.numpy()))
         crc.append(time.perf_counter() - start)
         start = time.perf_counter()
+        payload_checksum(memoryview(source.numpy()))
+        checksum.append(time.perf_counter() - start)
+        start = time.perf_counter()
         target.copy_(source)
         copy.append(time.perf_counter() - start)
-    return {"crc32": crc, "host_copy": copy}
+    return {"xxh3_64": checksum, "crc32": crc, "host_copy": copy}
 
 
 def measure(blocks: int, rounds: int) -> dict:
