@@ -2,9 +2,9 @@
 
 Both directions go through host staging areas registered with the store (``staging``): transfers
 are zero-copy batches between the store and their slots. Loads are asynchronous (``loader.Loader``):
-read into the load area and checked on a background thread, copied into the request's blocks on the
-engine thread between forward passes, and reported through ``get_finished``; a failed or late load
-is a failed receive, which vLLM recomputes. Saves copy the blocks into slots of the save area at the
+read into the load area, checked and copied into the request's blocks on a background thread (blocks
+vLLM keeps for the request, unscheduled, until it is reported), and reported through
+``get_finished``; a failed or late load is a failed receive, which vLLM recomputes. Saves copy the blocks into slots of the save area at the
 end of the step that computed them (so a later preemption or block reuse cannot change what is
 stored), as many as have room, then a background thread seals and puts them (``saver.Saver``).
 """

@@ -213,3 +213,38 @@ def test_an_idle_step_waits_for_the_fetch_in_flight_and_reports_it_received(monk
     finally:
         store.gate.set()
         calls.shutdown()
+
+
+def test_the_copy_runs_off_the_engine_thread_and_one_begun_before_the_deadline_is_received(monkeypatch):
+    """The fetch thread copies into the KV cache; a load whose copy began before its deadline is waited
+    for and reported received (its blocks hold the loaded KV), never failed while bytes still land."""
+    accept_any(monkeypatch)
+    store, clock = GatedStore(), Clock()
+    copying, release, threads = threading.Event(), threading.Event(), []
+
+    def write_block(transfer, payload):
+        threads.append(threading.get_ident())
+        copying.set()
+        release.wait(30)
+
+    calls = BoundedCalls("test-load", limit=1)
+    instance = Loader(store, key_of=lambda t: f"k{t.block_id}", header_of=lambda t: None, write_block=write_block,
+                      timeout_s=10, area=StagingArea("load", OBJECT_BYTES, 4), calls=calls, clock=clock)  # fmt: skip
+    try:
+        instance.start(load("a"))
+        store.gate.set()
+        assert copying.wait(30)
+        clock.now += 11  # past the deadline, with the copy under way
+        ended: list = []
+        finisher = threading.Thread(target=lambda: ended.append(instance.finish()[0]))
+        finisher.start()
+        finisher.join(0.05)
+        assert not ended, "finish waits for the copy under way instead of failing the load"
+        release.set()
+        finisher.join(30)
+        assert ended[0].received == {"a"} and not ended[0].failed
+        assert threads and threading.get_ident() not in threads
+    finally:
+        store.gate.set()
+        release.set()
+        calls.shutdown()

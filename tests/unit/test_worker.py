@@ -140,16 +140,18 @@ def corrupt(store, marker, mutate):
     ],
     ids=["flipped", "truncated", "foreign-namespace"],
 )
-def test_a_bad_object_fails_the_whole_load_and_writes_nothing(mutate):
+def test_a_bad_object_fails_the_whole_load_and_writes_only_the_loads_own_blocks(mutate):
     store, source = ScriptedStore(), kv_caches("random")
     save(store, source)
     corrupt(store, "/b/64/", mutate)
     target = kv_caches("zeros")
     loader = worker(store, target, saves=False)
     loader.start_load_kv(KVToolMetadata(loads=[RequestLoad("req-2", transfers((0, 6, 7)))]))
-    # A failed receive: vLLM drops the whole external hit and recomputes it; nothing was copied in.
+    # A failed receive: vLLM drops the whole external hit and recomputes every block of it. Objects
+    # checked before the bad one were copied in (each right after its check); no other block was.
     assert loader.get_finished() == ({"req-2"}, {"req-2"})
-    assert all(not target[name].any() for name in LAYERS)
+    others = [block for block in range(NUM_BLOCKS) if block not in (0, 6, 7)]
+    assert all(not target[name][others].any() for name in LAYERS)
     (failure,) = loader.take_worker_meta().load_failures.items()
     assert failure[0] == "req-2" and failure[1][0] == 0  # recomputed from the load's first token
     assert loader.get_finished() == (set(), set())  # reported once
