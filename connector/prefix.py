@@ -12,8 +12,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .groups import CacheGroup, GroupKind
-from .hashing import block_hashes, check_token_ids, save_tail_boundary, tail_boundaries, tail_hash
+from .hashing import block_hashes, check_token_ids, save_tail_boundary, tail_boundaries, tail_hash, tail_hashes
 from .keys import KeyKind, object_key
+
+from .served import ServedIndex
 
 if TYPE_CHECKING:  # search.py uses this module; StoredPrefix is only an annotation here
     from .search import StoredPrefix
@@ -59,6 +61,12 @@ class PromptKeys:
     _tails: dict[int, bytes] = field(default_factory=dict, compare=False, repr=False)
     # Inner candidate ends per block, likewise asked for again and again.
     _inner: dict[int, list[int]] = field(default_factory=dict, compare=False, repr=False)
+    # Refs built so far, by (kind, end, group): a lookup asks for each several times (the query, the
+    # search for the longest served end, the pointers' rounds), and building a key is most of its cost.
+    _refs: dict[tuple[KeyKind, int, int], ObjectRef] = field(default_factory=dict, compare=False, repr=False)
+    # Served indexes by the set of stored keys they answer for (``served``): a lookup asks the same
+    # set again in each of its rounds.
+    _served: dict[frozenset[str], ServedIndex] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def build(
@@ -96,29 +104,43 @@ class PromptKeys:
     def tail_hash(self, boundary: int) -> bytes:
         digest = self._tails.get(boundary)
         if digest is None:
-            parent = self.parent_of_block(boundary // self.block_size)
-            digest = self._tails[boundary] = tail_hash(self.tokens, boundary, self.block_size, parent)
+            block = boundary // self.block_size
+            if boundary % self.block_size == 0 or boundary > len(self.tokens):
+                tail_hash(self.tokens, boundary, self.block_size, self.parent_of_block(block))  # says why not
+            # Every boundary a lookup may ask about in this block, at once (``hashing.tail_hashes``).
+            ends = sorted({*self.inner_candidates(block), boundary})
+            self._tails.update(zip(ends, tail_hashes(self.tokens, ends, self.block_size, self.parent_of_block(block))))
+            digest = self._tails[boundary]
         return digest
 
     def block_ref(self, index: int, group: int = 0) -> ObjectRef:
-        start, end = index * self.block_size, (index + 1) * self.block_size
-        digest = self.block_chain[index]
-        return ObjectRef(object_key(self.namespace, group, KeyKind.BLOCK, end, digest), group, KeyKind.BLOCK, index,
-                         start, end, digest)  # fmt: skip
+        ref = self._refs.get((KeyKind.BLOCK, index, group))
+        if ref is None:
+            start, end = index * self.block_size, (index + 1) * self.block_size
+            digest = self.block_chain[index]
+            ref = self._refs[(KeyKind.BLOCK, index, group)] = ObjectRef(
+                object_key(self.namespace, group, KeyKind.BLOCK, end, digest), group, KeyKind.BLOCK, index, start,
+                end, digest)  # fmt: skip
+        return ref
 
     def tail_ref(self, boundary: int, group: int = 0) -> ObjectRef:
-        index = boundary // self.block_size
-        digest = self.tail_hash(boundary)
-        return ObjectRef(object_key(self.namespace, group, KeyKind.TAIL, boundary, digest), group, KeyKind.TAIL, index,
-                         index * self.block_size, boundary, digest)  # fmt: skip
+        return self._inner_ref(KeyKind.TAIL, boundary, group)
 
     def pointer_ref(self, boundary: int, group: int = 0) -> ObjectRef:
         """The pointer at ``boundary`` (inside a block): it has a tail's hash, and names a stored object
         of ``group`` that holds this prefix's KV and more."""
-        index = boundary // self.block_size
-        digest = self.tail_hash(boundary)
-        return ObjectRef(object_key(self.namespace, group, KeyKind.POINTER, boundary, digest), group,
-                         KeyKind.POINTER, index, index * self.block_size, boundary, digest)  # fmt: skip
+        return self._inner_ref(KeyKind.POINTER, boundary, group)
+
+    def _inner_ref(self, kind: KeyKind, boundary: int, group: int) -> ObjectRef:
+        """A tail's or a pointer's ref: both have the tail hash of the prefix ending at ``boundary``."""
+        ref = self._refs.get((kind, boundary, group))
+        if ref is None:
+            index = boundary // self.block_size
+            digest = self.tail_hash(boundary)
+            ref = self._refs[(kind, boundary, group)] = ObjectRef(
+                object_key(self.namespace, group, kind, boundary, digest), group, kind, index,
+                index * self.block_size, boundary, digest)  # fmt: skip
+        return ref
 
     def pointers_inside(self, ref: ObjectRef) -> list[ObjectRef]:
         """The pointers a save writes for one of its block or tail objects: at every grid multiple
@@ -236,6 +258,13 @@ class PromptKeys:
             return refs
         final = final or self._last_object(group, hit, present)
         return None if final is None else refs + [final]
+
+    def served(self, present: frozenset[str]) -> ServedIndex:
+        """Which lengths ``present`` serves (``ServedIndex``), built once per set of stored keys."""
+        index = self._served.get(present)
+        if index is None:
+            index = self._served[present] = ServedIndex(self, present)
+        return index
 
     def serves(self, hit: int, present: frozenset[str]) -> bool:
         """Whether every group holds what a hit of ``hit`` tokens needs."""

@@ -18,7 +18,6 @@ from .hashing import block_hashes, tail_hash
 from .keys import KeyKind, decode_key, object_key
 from .objects import ObjectRejected, PointerRecord, verify_pointer
 from .prefix import ObjectRef, PromptKeys
-from .served import ServedIndex
 
 ExistsFn = Callable[[list[str]], list[bool]]
 ReadFn = Callable[[list[str]], list["bytes | None"]]  # small objects (pointer records) by key
@@ -87,7 +86,7 @@ def _chain_blocks(keys: PromptKeys, ends: Sequence[int], present: frozenset[str]
     boundary every group serves."""
     full = [group.index for group in keys.groups if group.kind is GroupKind.FULL]
     if not full:
-        index = ServedIndex(keys, present)
+        index = keys.served(present)
         aligned = [end for end in ends if end % keys.block_size == 0 and index.serves(end)]
         return max(aligned, default=0) // keys.block_size
     count = 0
@@ -144,7 +143,7 @@ def find_stored_prefixes(
 
 def _longest(keys: PromptKeys, ends: Sequence[int], known: frozenset[str]) -> tuple[int, int]:
     """The longest stored prefix, and the longest one a load can claim (one token short of the prompt)."""
-    return ServedIndex(keys, known).longest(ends)
+    return keys.served(known).longest(ends) if known else (0, 0)
 
 
 @dataclass
@@ -236,7 +235,7 @@ def _extend(
     if lead and min(end, length - 1) - (hit - hit % keys.block_size) < min_tokens:
         # Back to the longest block boundary every group serves (a sliding window may need a block more
         # there than one token later).
-        served, start = ServedIndex(keys, known), hit - hit % keys.block_size
+        served, start = keys.served(known), hit - hit % keys.block_size
         while start and not served.serves(start):
             start -= keys.block_size
         return start, start, {}

@@ -1,7 +1,9 @@
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from connector.hashing import (
+    tail_hashes,
     HASH_BYTES,
     RequestIdentity,
     block_hashes,
@@ -126,3 +128,27 @@ def test_save_tail_boundary_examples():
     assert save_tail_boundary(64, 32, 1) is None
     assert save_tail_boundary(85, 32, 16) == 80
     assert save_tail_boundary(70, 32, 16) is None
+
+
+@given(
+    tokens=st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=80),
+    block_size=st.integers(2, 16),
+    parent=st.binary(min_size=16, max_size=16),
+    data=st.data(),
+)
+def test_tail_hashes_of_a_block_equal_its_tail_hashes_one_by_one(tokens, block_size, parent, data):
+    block = data.draw(st.integers(0, len(tokens) // block_size))
+    inside = [b for b in range(block * block_size + 1, (block + 1) * block_size) if b <= len(tokens)]
+    if not inside:
+        return
+    boundaries = sorted(data.draw(st.sets(st.sampled_from(inside), min_size=1)))
+    assert tail_hashes(tokens, boundaries, block_size, parent) == [
+        tail_hash(tokens, b, block_size, parent) for b in boundaries
+    ]
+
+
+def test_tail_hashes_refuse_boundaries_outside_one_block():
+    tokens = list(range(40))
+    for boundaries in ([16], [3, 17], [41]):
+        with pytest.raises(ValueError):
+            tail_hashes(tokens, boundaries, 16, bytes(16))
