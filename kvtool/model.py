@@ -148,6 +148,9 @@ PRESETS: dict[str, ModelPreset] = {
     "tiny": ModelPreset("tiny", 2, 128, 256, 4, 2, 64, 1024),
     # Large enough that prefill time on the CPU is visible in TTFT benchmarks.
     "bench": ModelPreset("bench", 12, 768, 2048, 12, 4, 64, 1024),
+    # The bench model's shapes with 16k positions: long prompts (benchmarks/fast-path/stream_gap.py saves
+    # 8k-token ones while a stream decodes).
+    "long": ModelPreset("long", 12, 768, 2048, 12, 4, 64, 1024, max_position_embeddings=16384),
     # Gemma3 text model, sliding window and full attention layers alternating: vLLM makes two KV cache
     # groups (full, sliding window 64), both with the requested block size.
     "swa": ModelPreset(

@@ -124,17 +124,26 @@ def capacity_fields(capacity: dict[str, Any] | None) -> dict[str, Any]:
     }
 
 
+def stream_fields(gaps: dict[str, Any] | None) -> dict[str, Any]:
+    source = "stream_gap.json (stream_gap.py)"
+    if gaps is None:
+        return {"stream_gap_vs_none": field(None, "<= 1.2", None, source, "not run")}
+    value = gaps["stream_gap_vs_none"]
+    config = gaps["configuration"]
+    note = (f"worst inter-token gap of a decoding stream while {config['savers']} requests of "
+            f"{config['prompt_tokens']} tokens are prefilled and saved: kvtool {gaps['kvtool']['gap_ms_max']} ms, "
+            f"none {gaps['none']['gap_ms_max']} ms (p99 {gaps['stream_gap_p99_vs_none']}x)")  # fmt: skip
+    return {"stream_gap_vs_none": field(value, "<= 1.2", value <= 1.2, source, note)}
+
+
 def main() -> None:
     results: dict[str, Any] = {
         **data_path_fields(load(HERE / "data_path.json")),
         **lookup_fields(load(HERE / "lookup_latency.json"), load(HERE / "lookup_cpu.json")),
         **peer_fields(load(PEERS)),
         **capacity_fields(load(HERE.parent / "capacity-pressure" / "results.json")),
-        "stream_gap_vs_none": field(
-            None, "<= 1.2", None, "-",
-            "not measured yet: decode_stall measures streams against a frozen store, not against 8k-token saves",
-        ),
-    }  # fmt: skip
+        **stream_fields(load(HERE / "stream_gap.json")),
+    }
     (HERE / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     print(json.dumps({name: (entry["value"], entry["met"]) for name, entry in results.items()}, indent=1))
 

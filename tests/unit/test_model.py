@@ -40,10 +40,11 @@ TINY_MARKER_TEXT = json.dumps(TINY_MARKER, indent=2) + "\n"
 
 
 def test_presets_listed() -> None:
-    assert list(PRESETS) == ["tiny", "bench", "swa", "mamba"]
+    assert list(PRESETS) == ["tiny", "bench", "long", "swa", "mamba"]
     assert {name: spec.architecture for name, spec in PRESETS.items()} == {
         "tiny": LLAMA,
         "bench": LLAMA,
+        "long": LLAMA,
         "swa": GEMMA3,
         "mamba": GRANITE_HYBRID,
     }
@@ -56,6 +57,7 @@ def test_default_directories(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) ->
     assert names == {
         "tiny": "tiny-llama",
         "bench": "bench-llama",
+        "long": "long-llama",
         "swa": "swa-gemma3",
         "mamba": "mamba-granitehybrid",
     }
@@ -95,6 +97,7 @@ def test_serving_data() -> None:
     assert {name: spec.kv_block_size for name, spec in PRESETS.items()} == {
         "tiny": 32,
         "bench": 32,
+        "long": 32,
         "swa": 32,
         "mamba": 64,
     }
