@@ -109,7 +109,8 @@ class PromptKeys:
                 tail_hash(self.tokens, boundary, self.block_size, self.parent_of_block(block))  # says why not
             # Every boundary a lookup may ask about in this block, at once (``hashing.tail_hashes``).
             ends = sorted({*self.inner_candidates(block), boundary})
-            self._tails.update(zip(ends, tail_hashes(self.tokens, ends, self.block_size, self.parent_of_block(block))))
+            digests = tail_hashes(self.tokens, ends, self.block_size, self.parent_of_block(block))
+            self._tails.update(zip(ends, digests, strict=True))
             digest = self._tails[boundary]
         return digest
 

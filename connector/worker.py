@@ -4,9 +4,10 @@ Both directions go through host staging areas registered with the store (``stagi
 are zero-copy batches between the store and their slots. Loads are asynchronous (``loader.Loader``):
 read into the load area, checked and copied into the request's blocks on a background thread (blocks
 vLLM keeps for the request, unscheduled, until it is reported), and reported through
-``get_finished``; a failed or late load is a failed receive, which vLLM recomputes. Saves copy the blocks into slots of the save area at the
-end of the step that computed them (so a later preemption or block reuse cannot change what is
-stored), as many as have room, then a background thread seals and puts them (``saver.Saver``).
+``get_finished``; a failed or late load is a failed receive, which vLLM recomputes. Saves copy the
+blocks into slots of the save area at the end of the step that computed them (so a later preemption
+or block reuse cannot change what is stored), as many as have room, then a background thread seals
+and puts them (``saver.Saver``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import threading
 import time
 import warnings
 from collections import Counter
+from functools import partial
 
 import torch
 
@@ -338,9 +340,8 @@ class WorkerSide:
         for number, transfer in enumerate(save.transfers[: len(lease)]):
             region = lease.region(number, HEADER_SIZE + self._payload_bytes(transfer))
             self._copy_block(transfer, region)
-            copies.append(
-                ObjectCopy(number, self._key(transfer), region, self._pointers(transfer), header=self._header(transfer))
-            )
+            pointers = partial(self._pointers, transfer)  # encoded on the put thread
+            copies.append(ObjectCopy(number, self._key(transfer), region, pointers, self._header(transfer)))
         watermark = lambda seq: watermark_key(self._ns_key, save.watermark_id, seq)  # noqa: E731
         self._saver.submit(SaveJob(save, copies, watermark, lease))
 

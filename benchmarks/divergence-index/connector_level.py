@@ -12,6 +12,8 @@ results file and keeps the rest.
 
 from __future__ import annotations
 
+from functools import partial
+
 import argparse
 import json
 import os
@@ -187,7 +189,7 @@ def save_job(setting: Setting, worker: WorkerSide, tokens: Sequence[int], number
     lease = area.take(len(transfers))
     assert lease is not None, "the staging area holds one save"
     copies = [
-        ObjectCopy(index, worker._key(transfer), lease.region(index), worker._pointers(transfer))  # noqa: SLF001
+        ObjectCopy(index, worker._key(transfer), lease.region(index), partial(worker._pointers, transfer))  # noqa: SLF001
         for index, transfer in enumerate(transfers)
     ]
     ns_key = setting.namespace.key_component()
