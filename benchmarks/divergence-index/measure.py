@@ -30,7 +30,6 @@ import json
 import os
 import platform
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -50,6 +49,8 @@ os.environ.update(ENV)  # before the Mooncake client is imported (MooncakeStore 
 
 from connector.config import KVToolConfig  # noqa: E402
 from connector.mooncake import MooncakeStore  # noqa: E402
+from kvtool.store.master import LocalMaster  # noqa: E402
+from kvtool.store.mooncake import master_argv  # noqa: E402
 
 MOONCAKE_PACKAGE = "mooncake-transfer-engine-non-cuda"
 POINTER_BYTES = 160  # an 80-byte header plus the ~75-character key of the containing object
@@ -69,24 +70,6 @@ SETTLE_S = 0.5  # pause before reading the master's RSS
 
 
 # ---------------------------------------------------------------- the master
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((LOOPBACK, 0))
-        return sock.getsockname()[1]
-
-
-def master_argv(rpc_port: int | str, admin_port: int | str) -> list[str]:
-    binary = Path(sys.executable).parent / "mooncake_master"
-    return [
-        str(binary),
-        f"--rpc_address={LOOPBACK}",
-        f"--rpc_port={rpc_port}",
-        f"--metrics_host={LOOPBACK}",
-        f"--metrics_port={admin_port}",
-        "--enable_http_metadata_server=false",
-    ]
 
 
 @dataclass
@@ -126,40 +109,9 @@ class Master:
 
 @contextmanager
 def running_master(log_path: Path) -> Iterator[Master]:
-    rpc_port, admin_port = free_port(), free_port()
-    with open(log_path, "ab") as log:
-        process = subprocess.Popen(
-            master_argv(rpc_port, admin_port),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env={**os.environ, **ENV},
-        )
-    master = Master(process, f"{LOOPBACK}:{rpc_port}", f"http://{LOOPBACK}:{admin_port}")
-    try:
-        wait_healthy(master)
-        yield master
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-def wait_healthy(master: Master, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if master.process.poll() is not None:
-            raise RuntimeError(f"mooncake_master exited with {master.process.returncode}")
-        try:
-            if httpx.get(f"{master.admin}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"mooncake_master not healthy after {timeout_s} s")
+    with LocalMaster(log_path) as local:
+        assert local.process is not None
+        yield Master(local.process, local.address, local.admin)
 
 
 def client_config(master: Master) -> KVToolConfig:
@@ -428,7 +380,7 @@ def configuration(command: list[str]) -> dict[str, Any]:
         "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "mooncake_package": f"{MOONCAKE_PACKAGE}=={importlib.metadata.version(MOONCAKE_PACKAGE)}",
         "machine": {"cpu_cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
-        "master_flags": master_argv("<free port>", "<free port>")[1:],
+        "master_flags": master_argv("<free port>", "<free port>")[1:],  # kvtool.store.master.LocalMaster
         "client": {
             "global_segment_size": SEGMENT_BYTES,
             "local_buffer_size": LOCAL_BUFFER_BYTES,

@@ -40,7 +40,6 @@ os.environ.update({"MC_TCP_BIND_ADDRESS": "127.0.0.1", "VLLM_HOST_IP": "127.0.0.
 
 import torch  # noqa: E402
 
-from lookup_latency import start_master  # noqa: E402 - the sibling script
 from connector.config import load_config  # noqa: E402
 from connector.data import BlockTransfer, KVToolMetadata, RequestLoad, RequestSave  # noqa: E402
 from connector.keys import Namespace  # noqa: E402
@@ -48,6 +47,7 @@ from connector.objects import HEADER_SIZE, payload_checksum  # noqa: E402
 from connector.prefix import PromptKeys, plan_save  # noqa: E402
 from connector.store import open_store  # noqa: E402
 from connector.worker import WorkerSide  # noqa: E402
+from kvtool.store.master import LocalMaster  # noqa: E402
 
 LAYERS, HEADS, DIM, BLOCK = 32, 8, 128, 16
 NS = Namespace(model="bench", dtype="bfloat16", kv_layout="bench", block_size=BLOCK, num_layers=LAYERS,
@@ -183,7 +183,8 @@ def measure(blocks: int, rounds: int) -> dict:
     block_bytes = LAYERS * 2 * HEADS * BLOCK * DIM * 2
     object_bytes = HEADER_SIZE + block_bytes
     total = blocks * object_bytes
-    process, master = start_master()
+    local = LocalMaster().start()
+    master = local.address
     segment = int((2 * rounds + 2) * total / 0.75)  # below the master's eviction high watermark (0.9)
     owner = segment_owner(master, segment)
     try:
@@ -206,8 +207,7 @@ def measure(blocks: int, rounds: int) -> dict:
     finally:
         owner.stdin.close()
         owner.wait(timeout=30)
-        process.kill()
-        process.wait()
+        local.stop()
     spent.update(cpu_work(total))
     mb_s = {name: round(total / 1e6 / statistics.median(values), 1) for name, values in spent.items()}
     return {

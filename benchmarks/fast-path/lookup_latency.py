@@ -15,10 +15,8 @@ import argparse
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -31,34 +29,12 @@ from connector.objects import HEADER_SIZE, PointerRecord, encode_pointer  # noqa
 from connector.prefix import PromptKeys, plan_save  # noqa: E402
 from connector.search import find_stored_prefixes  # noqa: E402
 from connector.store import open_store  # noqa: E402
+from kvtool.store.master import LocalMaster  # noqa: E402
 
 LEVELS = (1, 16, 64)
 PROMPT = 1024
 FINGERPRINT = bytes(range(16))  # a namespace: its key component is a prefix of the fingerprint's hex
 NAMESPACE = FINGERPRINT.hex()[:16]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_master() -> tuple[subprocess.Popen, str]:
-    rpc, admin = free_port(), free_port()
-    binary = str(Path(sys.executable).parent / "mooncake_master")
-    argv = [binary, "--rpc_address=127.0.0.1", f"--rpc_port={rpc}", "--metrics_host=127.0.0.1",
-            f"--metrics_port={admin}", "--enable_http_metadata_server=false"]  # fmt: skip
-    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", rpc), timeout=1):
-                return process, f"127.0.0.1:{rpc}"
-        except OSError:
-            time.sleep(0.2)
-    process.kill()
-    raise RuntimeError("mooncake_master did not start")
 
 
 def publish(store, keys: PromptKeys) -> None:
@@ -82,7 +58,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     bs = args.block_size
-    master, address = start_master()
+    master = LocalMaster().start()
+    address = master.address
     try:
         config = load_config({"master_server_address": address, "global_segment_size": 256 << 20})
         store = open_store(config)
@@ -124,8 +101,7 @@ def main() -> None:
             print(level, results[str(level)], flush=True)
         store.close()
     finally:
-        master.kill()
-        master.wait()
+        master.stop()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     out = {
         "what": "wall ms of one step's lookup batch of N new 1k-token requests against a real master",

@@ -132,12 +132,11 @@ def main() -> None:
         child(args)
         return
     from kvtool.model import ensure_default_model
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from lookup_latency import start_master  # the sibling script
+    from kvtool.store.master import LocalMaster
 
     args.model = args.model or str(ensure_default_model(preset="long"))
-    master, address = start_master()
+    master = LocalMaster().start()
+    address = master.address
     runs: dict[str, list[dict]] = {name: [] for name in CONNECTORS}
     try:
         for number in range(args.rounds):
@@ -145,8 +144,7 @@ def main() -> None:
                 runs[connector].append(run_child(args, connector, address))
                 print(connector, summary(runs[connector][-1:]), flush=True)
     finally:
-        master.kill()
-        master.wait()
+        master.stop()
     result = {name: summary(found) for name, found in runs.items()}
     result["stream_gap_vs_none"] = round(result["kvtool"]["gap_ms_max"] / result["none"]["gap_ms_max"], 3)
     result["stream_gap_p99_vs_none"] = round(result["kvtool"]["gap_ms_p99"] / result["none"]["gap_ms_p99"], 3)

@@ -12,9 +12,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvtool.errors import UserError
-from kvtool.launch import launched_pair
-from kvtool.serve_pair import Reporter, ServePairConfig
-from kvtool.smoke import model_vocab_size
+from kvtool.pair.launch import launched_pair
+from kvtool.pair.config import Reporter, ServePairConfig
+from kvtool.pair.smoke import model_vocab_size
 
 from .config import CONNECTORS, BenchConfig, build_workload
 from .oracle import ideal_hits

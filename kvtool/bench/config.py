@@ -8,7 +8,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kvtool.connectors import CONNECTOR_NAMES
+from kvtool.pair.profiles import CONNECTOR_NAMES
 from kvtool.errors import UserError
 from kvtool.verify import DEFAULT_LOGPROB_TOLERANCE
 

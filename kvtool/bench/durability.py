@@ -6,9 +6,9 @@ import time
 from typing import Any
 
 from connector.hits import HitDetails
-from kvtool.admin import MooncakeAdmin, wait_for_key
-from kvtool.connectors import profile
-from kvtool.ready import ReadyFile
+from kvtool.store.admin import MooncakeAdmin, wait_for_key
+from kvtool.pair.profiles import profile
+from kvtool.pair.ready import ReadyFile
 
 KEY_COUNT_QUIET_S = 0.5  # vllm-mooncake-store gives no durability signal: wait for the store to go quiet
 SETTLE_S = 1.0  # LMCache gives none and has no master to ask: its saves get this long to land

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kvtool.connectors import PROFILES
+from kvtool.pair.profiles import PROFILES
 from kvtool.errors import UserError
 
 WIDTH, HEIGHT = 1400, 900

@@ -16,12 +16,12 @@ from typing import Any
 import httpx
 
 from connector.hits import HitDetails
-from kvtool.connectors import profile
-from kvtool.ready import ReadyFile, parse_ready_file, read_ready_file
+from kvtool.pair.profiles import profile
+from kvtool.pair.ready import ReadyFile, parse_ready_file, read_ready_file
 from kvtool.client import complete
 from kvtool.prometheus import total
 from kvtool.errors import ServerError, UserError
-from kvtool.procs import http_ok
+from kvtool.pair.procs import http_ok
 from kvtool.verify import compare_answers
 
 from .config import TOP_LOGPROBS, BenchConfig
@@ -32,7 +32,7 @@ from .workloads.base import FIRST_TOKEN_ID, Step, Target, Transcript
 REQUEST_LOG_WAIT_S = 5.0
 
 
-# The bench reads serve-pair's ready file through its one contract (kvtool/ready.py).
+# The bench reads serve-pair's ready file through its one contract (kvtool/pair/ready.py).
 PairInfo = ReadyFile
 load_pair_info = read_ready_file
 pair_info = parse_ready_file

@@ -21,7 +21,7 @@ from kvtool.commands.output import OutputFormat, check_writable, err, say
 from kvtool.errors import UserError
 
 if TYPE_CHECKING:
-    from kvtool.serve_pair import ServePairConfig
+    from kvtool.pair.config import ServePairConfig
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -222,7 +222,7 @@ class PairOptions:
 
     def check(self) -> None:
         """The flags' values, checked without any I/O; a UserError naming the flag."""
-        from kvtool.connectors import CONNECTOR_NAMES
+        from kvtool.pair.profiles import CONNECTOR_NAMES
         from kvtool.model import PRESETS
 
         if self.max_num_batched_tokens is not None and self.model is None and self.preset == "mamba":
@@ -244,7 +244,7 @@ class PairOptions:
         from pydantic import ValidationError
 
         from kvtool.model import ensure_default_model
-        from kvtool.serve_pair import ServePairConfig, default_log_dir
+        from kvtool.pair.config import ServePairConfig, default_log_dir
 
         self.check()
         if self.model_size is not None:

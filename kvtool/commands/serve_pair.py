@@ -30,8 +30,8 @@ def serve_pair_command(
     again on the same ports, with back-off. Stops everything on Ctrl-C, on SIGTERM or when an engine
     dies (exit 130 for a signal, 1 for a death).
     """
-    from kvtool.launch import run_pair
-    from kvtool.smoke import run_smoke
+    from kvtool.pair.launch import run_pair
+    from kvtool.pair.smoke import run_smoke
 
     cfg = pair.config(ready_file=ready_file)
 

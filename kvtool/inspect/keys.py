@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 
 from connector.keys import SCHEMA_VERSION, KeyKind, decode_key
 
-from kvtool import admin
+from kvtool.store import admin
 from kvtool.errors import UserError
 from kvtool.report import Report, ReportTable
 

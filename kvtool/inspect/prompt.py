@@ -21,7 +21,7 @@ from connector.prefix import PromptKeys, plan_load
 from connector.search import find_stored_prefix
 from connector.watermarks import WatermarkRecord
 
-from kvtool import admin
+from kvtool.store import admin
 from kvtool.errors import UserError
 from kvtool.report import Report, ReportTable
 from kvtool.inspect.target import Target, open_reader

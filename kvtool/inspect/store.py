@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvtool import admin
+from kvtool.store import admin
 from kvtool.errors import UserError
 from kvtool.report import Report, ReportTable
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtool.errors import UserError
-from kvtool.ready import read_ready_file
+from kvtool.pair.ready import read_ready_file
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from connector.keys import KeyKind, decode_key
 from connector.watermarks import WatermarkRecord
 
-from kvtool import admin
+from kvtool.store import admin
 from kvtool.report import Report, ReportTable
 from kvtool.inspect.target import Target, open_reader
 

@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from kvtool.procs import find_free_port, log_tail
-from kvtool.ready import read_ready_file
+from kvtool.pair.procs import find_free_port, log_tail
+from kvtool.pair.ready import read_ready_file
 
 from .pairtools import PairMaster
 
@@ -63,7 +63,7 @@ def running_pair(
     workdir: Path, preset: str = "tiny", roles: str = "pd", extra_args: tuple[str, ...] = ()
 ) -> Iterator[dict[str, Any]]:
     """A serve-pair on free ports for ``preset``'s generated model, until the block ends: its parsed
-    ready file (kvtool/ready.py), as first written, plus ``ready_file`` (serve-pair rewrites it when it
+    ready file (kvtool/pair/ready.py), as first written, plus ``ready_file`` (serve-pair rewrites it when it
     restarts the master) and ``fault_control_file``."""
     name = f"{preset}/{roles}"
     if name in _start_failures:
@@ -113,7 +113,7 @@ def running_pair(
                 _start_failures[name] = f"{problem}\n{_log_tails(log_dir)}"
                 pytest.fail(_start_failures[name], pytrace=False)
             time.sleep(0.5)
-        info = read_ready_file(ready_file).to_json()  # the contract serve-pair writes (kvtool/ready.py)
+        info = read_ready_file(ready_file).to_json()  # the contract serve-pair writes (kvtool/pair/ready.py)
         info["fault_control_file"] = str(fault_control)
         info["ready_file"] = str(ready_file)
         yield info

@@ -15,9 +15,9 @@ from pathlib import Path
 from connector.config import load_config
 from connector.hits import HitDetails
 from connector.store import TimedStore, open_store
-from kvtool.admin import wait_for_key
+from kvtool.store.admin import wait_for_key
 from kvtool.client import complete
-from kvtool.procs import http_ok
+from kvtool.pair.procs import http_ok
 from kvtool.verify import compare_answers
 
 TOLERANCE = 1e-3  # max |logprob difference| against a full recomputation

@@ -40,7 +40,7 @@ def test_bench_on_the_pair_reaches_the_ideal_with_tail_hits(pair, tmp_path):
 
 def test_bench_launch_starts_its_own_pair_and_stops_it(tmp_path):
     """The project's main job, small: `kvtool bench --launch` on the embedded default."""
-    from kvtool.procs import find_free_port
+    from kvtool.pair.procs import find_free_port
 
     results = tmp_path / "launch.json"
     argv = [

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from connector.hits import HitDetails
-from kvtool.admin import wait_for_key
+from kvtool.store.admin import wait_for_key
 
 from .conftest import running_pair
 from .pairtools import consume, produce, prompt, through_pointer_stalls, wait_save_ended, warm_pointer_reads

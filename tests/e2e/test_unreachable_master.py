@@ -15,7 +15,7 @@ import pytest
 
 from kvtool.client import complete, wait_healthy
 from kvtool.model import ensure_default_model
-from kvtool.procs import find_free_port
+from kvtool.pair.procs import find_free_port
 
 from .pairtools import hit_details
 

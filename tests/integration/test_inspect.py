@@ -21,7 +21,7 @@ from connector.keys import KeyKind, Namespace, watermark_key
 from connector.objects import ObjectHeader, encode_object
 from connector.prefix import PromptKeys, plan_load, plan_save
 from connector.search import find_stored_prefix
-from kvtool.ready import ReadyFile
+from kvtool.pair.ready import ReadyFile
 from connector.store import KVStore, PutOutcome, open_store
 from connector.watermarks import SEQ_FINAL, SEQ_PENDING, ObjectProgress, WatermarkRecord, watermark
 

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from kvtool.launch import run_pair
-from kvtool.procs import ProcessDied, ProcessSet, ReadinessCheck, find_free_port, http_ok, tcp_port_open
-from kvtool.serve_pair import ServePairConfig
-from kvtool.stores import find_binary, master_argv, mooncake_env
-from kvtool.supervise import Backoff, Policy, Supervisor, Watch
+from kvtool.pair.launch import run_pair
+from kvtool.pair.procs import ProcessDied, ProcessSet, ReadinessCheck, find_free_port, http_ok, tcp_port_open
+from kvtool.pair.config import ServePairConfig
+from kvtool.store.mooncake import find_binary, master_argv, mooncake_env
+from kvtool.pair.supervise import Backoff, Policy, Supervisor, Watch
 
 pytestmark = pytest.mark.integration
 
@@ -72,7 +72,7 @@ def test_a_killed_or_frozen_master_comes_back_on_the_same_ports(tmp_path):
     try:
         master = procs.start(
             "master",
-            master_argv(cfg, find_binary("mooncake_master")),
+            master_argv(cfg.master_port, cfg.admin_port, find_binary("mooncake_master")),
             env=mooncake_env(),
             readiness=ReadinessCheck(http_url=health),
         )
@@ -121,7 +121,7 @@ def test_serve_pair_restarts_its_master_and_still_stops_when_an_engine_dies(tmp_
     def stand_in_engine(cfg, role, python=sys.executable):
         return [python, "-m", "http.server", str(cfg.port(role)), "--bind", "127.0.0.1", "--directory", str(web)]
 
-    monkeypatch.setattr("kvtool.launch.engine_argv", stand_in_engine)
+    monkeypatch.setattr("kvtool.pair.launch.engine_argv", stand_in_engine)
     ready_file = tmp_path / "ready.json"
     ports = [find_free_port() for _ in range(4)]
     cfg = ServePairConfig(

@@ -22,7 +22,7 @@ from kvtool.bench.runner import (
 )
 from kvtool.cli import app
 from kvtool.errors import UserError
-from kvtool.procs import find_free_port
+from kvtool.pair.procs import find_free_port
 
 SUMMARY_FIELDS = {
     "requests",

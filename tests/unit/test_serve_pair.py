@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 from pathlib import Path
 
 import pytest
 from rich.console import Console
-from typer.testing import CliRunner
 
-from kvtool import procs
-from kvtool.cli import app
+from kvtool.pair import procs
 from kvtool.errors import UserError
-from kvtool.serve_pair import (
+from kvtool.pair.config import (
     ServePairConfig,
     admin_url_for,
     cpu_halves,
@@ -27,18 +24,10 @@ from kvtool.serve_pair import (
     request_log_path,
     write_json_atomically,
 )
-from kvtool.stores import master_argv, mooncake_config_path, store_argv, vllm_mooncake_file_config
-from kvtool.smoke import metric_total, smoke_prompts
+from kvtool.store.mooncake import master_argv, mooncake_config_path, store_argv, vllm_mooncake_file_config
+from kvtool.pair.smoke import metric_total, smoke_prompts
 
 MiB = 1 << 20
-
-
-@pytest.fixture
-def model_dir(tmp_path: Path) -> Path:
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({"vocab_size": 1024}))
-    return model
 
 
 def make_config(tmp_path: Path, model: Path | None = None, **overrides) -> ServePairConfig:
@@ -221,7 +210,7 @@ def test_cpu_halves_split_disjointly():
 
 
 def test_master_stays_on_loopback(tmp_path):
-    argv = master_argv(make_config(tmp_path, master_port=6002, admin_port=6003), "mooncake_master")
+    argv = master_argv(6002, 6003, "mooncake_master")
     assert "--rpc_address=127.0.0.1" in argv and "--rpc_port=6002" in argv
     assert "--metrics_host=127.0.0.1" in argv and "--metrics_port=6003" in argv
     assert "--enable_http_metadata_server=false" in argv
@@ -295,7 +284,7 @@ def test_preflight_rejects_duplicate_ports(tmp_path, model_dir):
 
 
 def test_preflight_rejects_block_size_the_cpu_backend_refuses(tmp_path, model_dir, monkeypatch):
-    monkeypatch.setattr("kvtool.serve_pair._is_cpu_vllm", lambda: True)
+    monkeypatch.setattr("kvtool.pair.config._is_cpu_vllm", lambda: True)
     with pytest.raises(UserError, match="multiple of 32"):
         preflight(make_config(tmp_path, model_dir, block_size=16))
 
@@ -314,118 +303,6 @@ def test_metric_total_sums_label_sets():
     assert metric_total(text, "missing") is None
 
 
-runner = CliRunner()
-
-
-def assert_one_line_error(result, *fragments: str) -> None:
-    assert result.exit_code not in (0, None)
-    assert result.exception is None or isinstance(result.exception, SystemExit)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert "Traceback" not in result.output
-    for fragment in fragments:
-        assert fragment in lines[0]
-
-
-def test_cli_missing_model_is_one_line(tmp_path):
-    missing = tmp_path / "no-such-model"
-    result = runner.invoke(app, ["serve-pair", "--model", str(missing), "--log-dir", str(tmp_path / "logs")])
-    assert_one_line_error(result, str(missing), "--model")
-    assert result.exit_code == 2
-
-
-def test_cli_port_in_use_is_one_line(tmp_path, model_dir):
-    with socket.socket() as holder:
-        holder.bind(("127.0.0.1", 0))
-        holder.listen()
-        port = holder.getsockname()[1]
-        # Every other port free too: the defaults may be taken by whatever else runs on the machine.
-        others = [(f"--{flag}-port", str(procs.find_free_port())) for flag in ("producer", "master", "admin", "store")]
-        argv = ["serve-pair", "--model", str(model_dir), "--consumer-port", str(port), "--log-dir", str(tmp_path / "l")]
-        result = runner.invoke(app, argv + [item for pair in others for item in pair])
-    assert_one_line_error(result, f"port {port} is already in use", "--consumer-port")
-
-
-def test_cli_unknown_connector_is_one_line(tmp_path, model_dir):
-    result = runner.invoke(app, ["serve-pair", "--model", str(model_dir), "--connector", "nope"])
-    assert_one_line_error(result, "--connector", "kvtool")
-
-
-def test_cli_unknown_roles_is_one_line(tmp_path, model_dir):
-    result = runner.invoke(app, ["serve-pair", "--model", str(model_dir), "--roles", "kv_both"])
-    assert_one_line_error(result, "--roles 'kv_both' is not one of: pd, both")
-
-
-def test_cli_roles_both_without_a_connector_is_one_line(tmp_path, model_dir):
-    result = runner.invoke(
-        app,
-        ["serve-pair", "--model", str(model_dir), "--connector", "none", "--roles", "both"]
-        + ["--log-dir", str(tmp_path / "l")],
-    )
-    assert_one_line_error(result, "--roles both needs a connector")
-    assert result.exit_code == 2
-
-
-def test_cli_missing_binary_is_one_line(tmp_path, model_dir, monkeypatch):
-    monkeypatch.setattr("kvtool.serve_pair.sys.executable", str(tmp_path / "python"))
-    monkeypatch.setenv("PATH", str(tmp_path))
-    ports = [str(procs.find_free_port()) for _ in range(4)]
-    result = runner.invoke(
-        app,
-        ["serve-pair", "--model", str(model_dir), "--log-dir", str(tmp_path / "l")]
-        + [
-            "--producer-port",
-            ports[0],
-            "--consumer-port",
-            ports[1],
-            "--master-port",
-            ports[2],
-            "--admin-port",
-            ports[3],
-        ],
-    )
-    assert_one_line_error(result, "mooncake_master was not found")
-    assert result.exit_code == 1
-
-
-def test_process_set_reports_a_dead_process_with_its_log(tmp_path):
-    processes = procs.ProcessSet(tmp_path)
-    try:
-        processes.start(
-            "flaky",
-            ["sh", "-c", "echo starting; echo boom >&2; exit 3"],
-            readiness=procs.ReadinessCheck(tcp_port=procs.find_free_port()),
-        )
-        with pytest.raises(procs.ServerError) as caught:
-            processes.wait_ready(processes.processes, timeout_s=10, poll_s=0.05)
-    finally:
-        processes.stop_all()
-    assert "flaky" in caught.value.message and "exited with code 3" in caught.value.message
-    assert str(tmp_path / "flaky.log") in caught.value.message
-    assert "boom" in caught.value.details
-
-
-def test_stop_all_leaves_no_process_of_the_group(tmp_path):
-    processes = procs.ProcessSet(tmp_path)
-    # The shell ignores SIGTERM and its background child would outlive it: both must still go.
-    started = tmp_path / "child.pid"
-    leader = processes.start("stubborn", ["sh", "-c", f"trap '' TERM; sleep 60 & echo $! > {started}; wait"])
-    for _ in range(1000):  # the trap is set once the child's pid is written (at most 10 s)
-        if started.exists() and started.read_text().strip():
-            break
-        time.sleep(0.01)
-    child = int(started.read_text())
-    processes.stop_all(grace_s=0.5)
-    assert leader.exit_code() is not None
-    assert not procs._group_alive(leader.pid)
-    assert not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]
-
-
-def test_missing_executable_is_a_user_error(tmp_path):
-    with pytest.raises(UserError, match="was not found"):
-        procs.ProcessSet(tmp_path).start("ghost", [str(tmp_path / "no-such-binary")])
-
-
 def test_example_configs_match_what_serve_pair_generates(tmp_path):
     configs = Path(__file__).resolve().parents[2] / "configs"
     cfg = make_config(tmp_path)
@@ -438,7 +315,7 @@ def test_example_configs_match_what_serve_pair_generates(tmp_path):
 
 @pytest.mark.parametrize("params", [None, {"kvtool": {"external_hit_tokens": 85, "tail_hit_tokens": 21}}])
 def test_smoke_table_tolerates_absent_kv_transfer_params(monkeypatch, params):
-    import kvtool.smoke as smoke
+    import kvtool.pair.smoke as smoke
 
     sent = []
     monkeypatch.setattr(smoke, "_metrics", lambda url: "master_key_count 2\nvllm:external_prefix_cache_hits_total 0\n")
@@ -461,8 +338,8 @@ def test_smoke_table_tolerates_absent_kv_transfer_params(monkeypatch, params):
 
 
 def test_the_ready_file_serve_pair_writes_is_the_one_every_reader_parses(tmp_path):
-    from kvtool.ready import parse_ready_file
-    from kvtool.serve_pair import ServePairConfig, ready_info
+    from kvtool.pair.ready import parse_ready_file
+    from kvtool.pair.config import ServePairConfig, ready_info
 
     cfg = ServePairConfig(model=tmp_path, log_dir=tmp_path, max_model_len=1024)
     written = ready_info(cfg, {"master": 11, "producer": 12, "consumer": 13}, "http://127.0.0.1:9003", {"master": 1})
@@ -477,7 +354,7 @@ def test_the_ready_file_serve_pair_writes_is_the_one_every_reader_parses(tmp_pat
 
 
 def test_every_connector_choice_has_one_profile_and_they_say_what_the_branches_said():
-    from kvtool.connectors import CONNECTOR_NAMES, profile
+    from kvtool.pair.profiles import CONNECTOR_NAMES, profile
 
     assert CONNECTOR_NAMES == ("kvtool", "vllm-mooncake-store", "lmcache", "none")
     kvtool, vllm, lmcache, none = (profile(name) for name in CONNECTOR_NAMES)
@@ -488,7 +365,7 @@ def test_every_connector_choice_has_one_profile_and_they_say_what_the_branches_s
 
 
 def test_a_fault_plan_reaches_the_connectors_through_their_config_only_when_a_test_sets_one(tmp_path):
-    from kvtool.serve_pair import ServePairConfig, kv_transfer_config
+    from kvtool.pair.config import ServePairConfig, kv_transfer_config
 
     plain = ServePairConfig(model=tmp_path, log_dir=tmp_path)
     assert "fault_control_file" not in kv_transfer_config(plain, "consumer")["kv_connector_extra_config"]

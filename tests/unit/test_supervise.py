@@ -13,9 +13,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvtool.launch import ReadyFile
-from kvtool.procs import ProcessSet
-from kvtool.supervise import Backoff, Decision, Policy, RestartTracker, Supervisor, Watch
+from kvtool.pair.launch import ReadyFile
+from kvtool.pair.procs import ProcessSet
+from kvtool.pair.supervise import Backoff, Decision, Policy, RestartTracker, Supervisor, Watch
 
 POLICY = Policy(
     backoff=Backoff(0.5, 2.0, 10.0),

@@ -18,7 +18,7 @@ def main(model_dir: str, master: str, admin: str) -> None:
     import torch
     from vllm import LLM, SamplingParams
 
-    from kvtool.admin import wait_for_key
+    from kvtool.store.admin import wait_for_key
 
     llm = LLM(
         model=model_dir, dtype="float32", block_size=32, max_model_len=512, gpu_memory_utilization=0.3,
@@ -67,7 +67,7 @@ def warm_up(llm, admin: str, timeout_s: float = 180.0) -> None:
 
     from vllm import SamplingParams
 
-    from kvtool.admin import wait_for_key
+    from kvtool.store.admin import wait_for_key
 
     params = SamplingParams(max_tokens=1, detokenize=False)
     deadline, seed = time.monotonic() + timeout_s, 0

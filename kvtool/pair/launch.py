@@ -1,7 +1,7 @@
 """Running a pair: start the Mooncake master (and store) and both engines, supervise, stop them all.
 
 kvtool serve-pair (run_pair) and kvtool bench --launch (launched_pair) both come through here, so
-both keep the master up: it is restarted on its own ports when it dies or hangs (kvtool.supervise),
+both keep the master up: it is restarted on its own ports when it dies or hangs (kvtool.pair.supervise),
 while an engine that dies still stops everything.
 """
 
@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from kvtool.errors import EXIT_INTERRUPTED, ServerError
-from kvtool.procs import LOOPBACK, ProcessDied, ProcessSet, ReadinessCheck
-from kvtool.serve_pair import (
+from kvtool.pair.procs import LOOPBACK, ProcessDied, ProcessSet, ReadinessCheck
+from kvtool.pair.config import (
     REPO_ROOT,
     Reporter,
     ServePairConfig,
@@ -28,7 +28,7 @@ from kvtool.serve_pair import (
     ready_info,
     write_json_atomically,
 )
-from kvtool.stores import (
+from kvtool.store.mooncake import (
     find_binary,
     lmcache_argv,
     lmcache_binary,
@@ -38,7 +38,7 @@ from kvtool.stores import (
     store_argv,
     vllm_mooncake_file_config,
 )
-from kvtool.supervise import DEFAULT_POLICY, Policy, Supervisor, Watch
+from kvtool.pair.supervise import DEFAULT_POLICY, Policy, Supervisor, Watch
 
 MASTER_LABEL = "mooncake_master"
 STORE_LABEL = "the standalone store (mooncake_client)"
@@ -84,7 +84,7 @@ def start_mooncake(cfg: ServePairConfig, procs: ProcessSet, say: Reporter) -> di
     if cfg.starts_master:
         wanted.append((
             "master", MASTER_LABEL, f"on {cfg.master_address} (admin {admin_url_for(cfg)})",
-            master_argv(cfg, find_binary("mooncake_master")),
+            master_argv(cfg.master_port, cfg.admin_port, find_binary("mooncake_master")),
             ReadinessCheck(http_url=f"{admin_url_for(cfg)}/health"), 30,
         ))  # fmt: skip
     if cfg.starts_store:

@@ -227,7 +227,7 @@ class ProcessSet:
 
     Start processes from the main thread, or from a thread that outlives them: PR_SET_PDEATHSIG
     fires when the *thread* that forked exits. Names in ``supervised`` are restarted by someone
-    else (kvtool.supervise), so first_dead() does not report them.
+    else (kvtool.pair.supervise), so first_dead() does not report them.
     """
 
     def __init__(self, log_dir: Path) -> None:

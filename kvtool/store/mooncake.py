@@ -1,6 +1,6 @@
 """The pair's store processes, as command lines and environments: the Mooncake master, the standalone
 Mooncake store, and (``--connector lmcache``) LMCache's multiprocess server; and the Mooncake file config
-vLLM's in-tree store connector reads. Pure builders; kvtool.launch starts and supervises them."""
+vLLM's in-tree store connector reads. Pure builders; kvtool.pair.launch starts and supervises them."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvtool.errors import UserError
-from kvtool.procs import LOOPBACK
+from kvtool.pair.procs import LOOPBACK
 
 if TYPE_CHECKING:
-    from kvtool.serve_pair import ServePairConfig
+    from kvtool.pair.config import ServePairConfig
 
 MiB = 1 << 20
 LMCACHE_L1_GIB = 2  # the LMCache server's host memory for KV (its L1 tier)
@@ -58,13 +58,14 @@ def find_binary(name: str) -> str:
     return found
 
 
-def master_argv(cfg: ServePairConfig, binary: str = "mooncake_master") -> list[str]:
+def master_argv(rpc_port: int | str, admin_port: int | str, binary: str = "mooncake_master") -> list[str]:
+    """A master on 127.0.0.1: its RPC port (store clients) and its admin port (HTTP metrics and keys)."""
     return [
         binary,
         f"--rpc_address={LOOPBACK}",
-        f"--rpc_port={cfg.master_port}",
+        f"--rpc_port={rpc_port}",
         f"--metrics_host={LOOPBACK}",
-        f"--metrics_port={cfg.admin_port}",
+        f"--metrics_port={admin_port}",
         # Its HTTP metadata server would bind every interface; P2PHANDSHAKE needs none.
         "--enable_http_metadata_server=false",
         "--logtostderr=true",

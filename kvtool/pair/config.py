@@ -1,6 +1,6 @@
 """A producer and a consumer vLLM server sharing KV through a loopback Mooncake store.
 
-Pure builders (kv-transfer configs, argv, env, ready-file content) live here; kvtool.launch starts,
+Pure builders (kv-transfer configs, argv, env, ready-file content) live here; kvtool.pair.launch starts,
 supervises and stops the processes (run_pair, launched_pair), so tests and the bench reuse both.
 """
 
@@ -20,18 +20,18 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from connector.config import KVToolConfig, divergence_grid
 from kvtool.errors import UserError
-from kvtool import connectors
-from kvtool.connectors import ConnectorProfile, TransferSettings
-from kvtool.ready import ReadyFile
-from kvtool.procs import LOOPBACK, ensure_port_free, tcp_port_open
-from kvtool.stores import find_binary, lmcache_binary, mooncake_config_path
+from kvtool.pair import profiles
+from kvtool.pair.profiles import ConnectorProfile, TransferSettings
+from kvtool.pair.ready import ReadyFile
+from kvtool.pair.procs import LOOPBACK, ensure_port_free, tcp_port_open
+from kvtool.store.mooncake import find_binary, lmcache_binary, mooncake_config_path
 
 ConnectorChoice = Literal["kvtool", "vllm-mooncake-store", "lmcache", "none"]
 StoreChoice = Literal["embedded", "standalone"]
 RolesChoice = Literal["pd", "both"]  # pd: kv_producer + kv_consumer; both: kv_both on each engine
 Role = Literal["producer", "consumer"]
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
 GiB = 1 << 30
 
@@ -97,7 +97,7 @@ class ServePairConfig(BaseModel):
 
     @property
     def profile(self) -> ConnectorProfile:
-        return connectors.profile(self.connector)
+        return profiles.profile(self.connector)
 
     @property
     def starts_master(self) -> bool:
@@ -142,7 +142,7 @@ def kvtool_extra_config(
 ) -> dict[str, Any]:
     """The kvtool connector's kv_connector_extra_config (validated by connector.config)."""
     settings = TransferSettings("", master_address, hash_unit, global_segment_size, local_buffer_size, request_log)
-    return connectors.kvtool_extra_config(settings)
+    return profiles.kvtool_extra_config(settings)
 
 
 def request_log_path(cfg: ServePairConfig, role: Role) -> Path:
@@ -336,7 +336,7 @@ def admin_url_for(cfg: ServePairConfig) -> str | None:
 def ready_info(
     cfg: ServePairConfig, pids: dict[str, int], admin_url: str | None, restarts: dict[str, int] | None = None
 ) -> dict[str, Any]:
-    """What the ready file holds (kvtool/ready.py), as JSON; rewritten whenever a supervised process
+    """What the ready file holds (kvtool/pair/ready.py), as JSON; rewritten whenever a supervised process
     gets a new pid."""
     return ReadyFile(
         producer=cfg.base_url("producer"),
