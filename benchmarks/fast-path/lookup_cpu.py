@@ -22,7 +22,7 @@ from pathlib import Path
 
 from connector.config import divergence_grid, load_config
 from connector.hashing import RequestIdentity
-from connector import prefix
+from connector import search as search_module
 from connector.prefix import PromptKeys, plan_save
 from connector.search import find_stored_prefixes
 
@@ -49,7 +49,7 @@ def walk_longest(keys: PromptKeys, ends, known) -> tuple[int, int]:
     return max(served, default=0), max((end for end in served if end < length), default=0)
 
 
-INDEXED = prefix._longest
+INDEXED = search_module._longest
 
 
 def measure(tokens: list[int], store: set[str], block_size: int, hash_unit: int) -> dict[str, float]:
@@ -88,9 +88,9 @@ def main() -> None:
             }
             row = {}
             for search, longest in (("indexed", INDEXED), ("walk", walk_longest)):
-                prefix._longest = longest
+                search_module._longest = longest
                 row[search] = {case: measure(tokens, store, bs, unit) for case, store in cases.items()}
-            prefix._longest = INDEXED
+            search_module._longest = INDEXED
             results[name][str(length)] = row
             worst = {search: max(r["total_ms"] for r in cases_.values()) for search, cases_ in row.items()}
             print(
