@@ -3,7 +3,7 @@ so that a chat's next turn reuses the answer too."""
 
 from __future__ import annotations
 
-from collections import Counter
+from .counters import Counters
 
 from .data import RequestSave
 from .groups import NULL_BLOCK_ID
@@ -18,7 +18,7 @@ def plan_answer_save(
     space: KeySpace,
     *,
     has_state_group: bool,
-    stats: Counter[str],
+    stats: Counters,
 ) -> RequestSave | None:
     """Every object of the tokens whose KV the request computed (the last generated token has none)
     that is not known stored, from the request's current blocks, which vLLM keeps until the worker has
@@ -33,13 +33,13 @@ def plan_answer_save(
         return None  # never ran (an abort while waiting for its load): its blocks may hold nothing
     if tracked.loading:
         # Finished while its load (after a preemption) still fills its blocks: they hold nothing yet.
-        stats["answer_saves_skipped_loading"] += 1
+        stats.add("answer_saves_skipped_loading")
         return None
     in_flight = getattr(request, "num_in_flight_tokens", 0)
     if in_flight and has_state_group:
         # A step still in flight has moved the running state past the last final token: no state
         # for the answer's end, and without it no hit can use the answer's other objects.
-        stats["answer_saves_skipped_in_flight"] += 1
+        stats.add("answer_saves_skipped_in_flight")
         return None
     computed = request.num_computed_tokens - in_flight
     done = len(tracked.keys.tokens) if tracked.save_scheduled else 0
@@ -61,6 +61,6 @@ def plan_answer_save(
     transfers = tuple(save_transfer(keys, ref, block_id) for ref, block_id in usable)
     tracked.answer_tokens, tracked.answer_objects = computed, len(usable)
     tracked.answer_last_key = last_put_key(keys, [ref for ref, _ in usable])
-    stats["answer_saves"] += 1
+    stats.add("answer_saves")
     params = getattr(request, "kv_transfer_params", None) or {}
     return RequestSave(request.request_id, transfers, prompt_tokens=computed, tag=params.get("kvtool_tag"), answer=True)

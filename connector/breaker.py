@@ -11,12 +11,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter
+
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .calls import StoreBusy, StoreError, StoreTimeout
+from .counters import Counters
 from .store import KVStore, PutOutcome
 
 if TYPE_CHECKING:
@@ -103,28 +104,21 @@ class GuardedStore:
         self._store = store
         self.breaker = breaker
         self._name = name
-        self.stats: Counter[str] = Counter()
-        self._lock = threading.Lock()
-
-    def _count(self, name: str) -> None:
-        with self._lock:
-            self.stats[name] += 1
+        self.stats = Counters()
 
     def take_stats(self) -> dict[str, int]:
-        with self._lock:
-            taken, self.stats = dict(self.stats), Counter()
-        return taken
+        return self.stats.take()
 
     def _run(self, what: str, fn):
         if not self.breaker.allow():
-            self._count(f"breaker_skipped_{what}")
+            self.stats.add(f"breaker_skipped_{what}")
             raise StoreError(f"the store is failing; {what} skipped for {self.breaker.seconds_left():.1f} s more")
         try:
             result = fn()
         except StoreError as exc:
-            self._count(f"store_errors_{what}")
+            self.stats.add(f"store_errors_{what}")
             if self.breaker.record_failure(hung=isinstance(exc, StoreTimeout | StoreBusy)):
-                self._count("breaker_opened")
+                self.stats.add("breaker_opened")
                 logger.warning(
                     "kvtool: %s: the store failed %s (%s); skipping store calls for %.1f s",
                     self._name,

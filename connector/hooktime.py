@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import functools
 import time
-from collections import Counter
 from collections.abc import Callable
 from typing import Any, TypeVar
+
+from .counters import Counters
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -20,11 +21,10 @@ SLOW_CALL_S = 0.02  # a fifth of a 100 ms decode step: a call this long shows in
 class HookClock:
     def __init__(self, clock: Callable[[], float] = time.perf_counter):
         self._clock = clock
-        self.stats: Counter[str] = Counter()
+        self.stats = Counters()
 
     def take(self) -> dict[str, int]:
-        taken, self.stats = dict(self.stats), Counter()
-        return taken
+        return self.stats.take()
 
 
 def on_engine_thread(method: F) -> F:
@@ -38,9 +38,9 @@ def on_engine_thread(method: F) -> F:
             return method(self, *args, **kwargs)
         finally:
             spent = clock._clock() - started
-            clock.stats["engine_thread_us"] += int(spent * 1e6)
-            clock.stats["engine_thread_calls"] += 1
+            clock.stats.add("engine_thread_us", int(spent * 1e6))
+            clock.stats.add("engine_thread_calls")
             if spent > SLOW_CALL_S:
-                clock.stats["engine_thread_slow_calls"] += 1
+                clock.stats.add("engine_thread_slow_calls")
 
     return timed  # type: ignore[return-value]

@@ -16,13 +16,13 @@ import logging
 import queue
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from .calls import StoreError
 from .data import RequestSave
 from .keys import KeyKind
+from .counters import Counters, WarnOnce
 from .objects import ObjectHeader, seal_object
 from .staging import Lease, Region, StagingArea
 from .store import KVStore, PutOutcome
@@ -114,8 +114,8 @@ class Saver:
         self._queue: queue.Queue[SaveJob | None] = queue.Queue()
         self._lock = threading.Lock()
         self._stop_by: float | None = None  # after this, the put thread drops what is left
-        self.stats: Counter[str] = Counter()
-        self._warned: set[str] = set()
+        self.stats = Counters()
+        self._warn_once = WarnOnce(logger)
         self._thread = threading.Thread(target=self._loop, name="kvtool-put", daemon=True)
         self._thread.start()
 
@@ -126,9 +126,9 @@ class Saver:
         lease = self.area.take(num_objects, partial=True)
         fits = len(lease) if lease is not None else 0
         if fits < num_objects:
-            self._count("save_objects_dropped_budget", num_objects - fits)
+            self.stats.add("save_objects_dropped_budget", num_objects - fits)
             if fits == 0:
-                self._count("saves_dropped_budget")
+                self.stats.add("saves_dropped_budget")
             self._warn_once(
                 "budget",
                 f"kvtool: the save area ({self.area.nbytes} bytes) is full (the store is slow or down); "
@@ -155,7 +155,7 @@ class Saver:
                 self._run(job)
             except Exception:  # noqa: BLE001 - a bug must cost this save, never every later one
                 logger.exception("kvtool: a save failed unexpectedly; it is dropped")
-                self._count("saves_crashed")
+                self.stats.add("saves_crashed")
             finally:
                 job.release_lease()  # a no-op when _run gave it up
 
@@ -173,10 +173,10 @@ class Saver:
         for copy, found in zip(copies, present, strict=True):
             outcome = "present" if found else DROPPED_SHUTDOWN if stopping else outcomes[copy.key].value
             if outcome == PutOutcome.STORED.value:
-                self._count("bytes_saved", copy.nbytes)
+                self.stats.add("bytes_saved", copy.nbytes)
                 pointers += copy.pointers()
             job.settle(copy.transfer_number, outcome)
-            self._count(f"saves_{outcome}")
+            self.stats.add(f"saves_{outcome}")
         job.copies = []
         if pointers and not self._stopping():
             self._put_pointers(pointers)
@@ -195,7 +195,7 @@ class Saver:
             if not refused or self._stopping():
                 break
             time.sleep(delay_s)
-            self._count("puts_retried_no_space", len(refused))
+            self.stats.add("puts_retried_no_space", len(refused))
             for index, outcome in zip(refused, self._put_from([copies[i] for i in refused], lease), strict=True):
                 outcomes[index] = outcome
         if PutOutcome.NO_SPACE in outcomes:
@@ -219,7 +219,7 @@ class Saver:
         except StoreError as exc:
             self._warn_once("put", f"kvtool: put failed, that prefix stays a miss: {exc}")
             outcome = PutOutcome.FAILED
-        self._count(f"pointers_{outcome.value}", len(pointers))
+        self.stats.add(f"pointers_{outcome.value}", len(pointers))
 
     def _present(self, keys: list[str]) -> list[bool]:
         try:
@@ -231,7 +231,7 @@ class Saver:
         if self._stopping() or job.save.checkpoint:
             return
         outcome = self._put(job.watermark_key(seq), job.record().encode())
-        self._count(f"watermarks_{outcome.value}")
+        self.stats.add(f"watermarks_{outcome.value}")
 
     def _put(self, key: str, value: bytes) -> PutOutcome:
         try:
@@ -248,19 +248,8 @@ class Saver:
 
     # -- helpers ------------------------------------------------------------------------------------
 
-    def _count(self, name: str, amount: int = 1) -> None:
-        with self._lock:
-            self.stats[name] += amount
-
     def take_stats(self) -> dict[str, int]:
-        with self._lock:
-            taken, self.stats = dict(self.stats), Counter()
-        return taken
-
-    def _warn_once(self, topic: str, message: str) -> None:
-        if topic not in self._warned:
-            self._warned.add(topic)
-            logger.warning(message)
+        return self.stats.take()
 
     def shutdown(self, timeout_s: float | None = None) -> None:
         """Let queued saves finish for at most the drain time-out, then drop the rest (logged)."""

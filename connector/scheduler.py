@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
+from .counters import Counters, WarnOnce
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -73,8 +73,8 @@ class SchedulerSide:
         self._space = KeySpace(self._block_size, config.hash_unit, self._namespace, self._groups, self._grid, lead)
         self._tracked: dict[str, TrackedRequest] = {}
         self._pending_loads: list[RequestLoad] = []
-        self._warned: set[str] = set()
-        self.stats: Counter[str] = Counter()
+        self._warn_once = WarnOnce(logger)
+        self.stats = Counters()
         self._lookups = (
             LookupBatcher(
                 store.exists,
@@ -112,13 +112,13 @@ class SchedulerSide:
         if tracked.refresh(self._space):
             # A streaming-input session's next chunk: it is never looked up (vLLM resumes it from the
             # blocks it holds), and its prompt is saved anew when complete, under the new keys.
-            self.stats["session_chunks_rekeyed"] += 1
+            self.stats.add("session_chunks_rekeyed")
             self._count_unhashable(tracked)
         return tracked
 
     def _count_unhashable(self, tracked: TrackedRequest) -> None:
         if tracked.unhashable:
-            self.stats["requests_unhashable"] += 1
+            self.stats.add("requests_unhashable")
             self._warn_once("unhashable", f"kvtool: a request is neither looked up nor stored: {tracked.unhashable}")
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -151,22 +151,22 @@ class SchedulerSide:
             return None, False
         self._mark(tracked, "answered")
         self._lookups.forget(req_id)  # a preempted request that comes back looks up afresh
-        self.stats["lookups"] += 1
+        self.stats.add("lookups")
         if isinstance(outcome, StoreError):
-            self.stats["lookup_errors"] += 1
+            self.stats.add("lookup_errors")
             self._warn_once("lookup", f"kvtool: store lookup failed, serving as a cache miss: {outcome}")
             tracked.lookup, tracked.plan, tracked.stored = f"error: {outcome}", None, None
             return 0, False
         if outcome.pointer_read_failed:
-            self.stats["pointer_reads_failed"] += 1
+            self.stats.add("pointer_reads_failed")
         plan = plan_load(tracked.keys, outcome, num_computed_tokens)
         verdict = self._judge(tracked.keys, outcome, num_computed_tokens, plan)
         tracked.load_skipped = None
         if verdict.skipped is not None:
-            self.stats[f"loads_{verdict.skipped}"] += 1
+            self.stats.add(f"loads_{verdict.skipped}")
             tracked.load_skipped = f"{verdict.skipped}: {verdict.detail}"
         elif verdict.detail == "explored":
-            self.stats["loads_explored"] += 1
+            self.stats.add("loads_explored")
         plan = verdict.plan
         tracked.plan, tracked.stored = plan, outcome
         tracked.stored_prefix_tokens = outcome.tokens
@@ -299,7 +299,7 @@ class SchedulerSide:
                 continue
             transfers = state_transfers(tracked.keys, self._groups, entries)
             if transfers:
-                self.stats["state_checkpoints"] += len(transfers)
+                self.stats.add("state_checkpoints", len(transfers))
                 add_state_saves(meta.saves, req_id, transfers, len(tracked.keys.tokens))
 
     def _maybe_save(
@@ -322,7 +322,7 @@ class SchedulerSide:
         if len(usable) != len(missing):
             # A sliding-window group gave up the blocks its window left (an earlier chunk's): a lookup
             # that needs them will not find them, which is a miss, never a wrong block.
-            self.stats["save_objects_not_held"] += len(missing) - len(usable)
+            self.stats.add("save_objects_not_held", len(missing) - len(usable))
         if not usable:
             return
         params = getattr(tracked.request, "kv_transfer_params", None) or {}
@@ -405,7 +405,7 @@ class SchedulerSide:
     # -- finish -------------------------------------------------------------------------------------
 
     def take_stats(self) -> dict[str, int]:
-        taken, self.stats = dict(self.stats), Counter()
+        taken = self.stats.take()
         if self._lookups is not None:
             for name in ("batches", "timeouts"):
                 value = getattr(self._lookups, name)
@@ -442,8 +442,3 @@ class SchedulerSide:
         if self._request_log is not None:
             self._request_log.write(request, details)
         return answer is not None, {"kvtool": details.to_dict()}
-
-    def _warn_once(self, topic: str, message: str) -> None:
-        if topic not in self._warned:
-            self._warned.add(topic)
-            logger.warning(message)

@@ -13,16 +13,15 @@ and puts them (``saver.Saver``).
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import warnings
-from collections import Counter
 from functools import partial
 
 import torch
 
 from .blockcopy import BlockRows
 from .calls import BoundedCalls
+from .counters import Counters, WarnOnce
 from .config import KVToolConfig
 from .data import BlockTransfer, KVToolMetadata, KVToolWorkerMeta, RequestSave
 from .keys import KeyKind, Namespace, object_key, watermark_key
@@ -66,9 +65,8 @@ class WorkerSide:
         self._sent: set[str] = set()
         self._step_start: float | None = None
         self._step_samples: list[tuple[int, float]] = []  # (tokens scheduled, seconds of the forward pass)
-        self.stats: Counter[str] = Counter()
-        self._stats_lock = threading.Lock()
-        self._warned: set[str] = set()
+        self.stats = Counters()
+        self._warn_once = WarnOnce(logger)
         self._loader = Loader(
             store,
             key_of=self._key,
@@ -203,15 +201,6 @@ class WorkerSide:
             for boundary, digest in transfer.pointers
         )
 
-    def _count(self, name: str, amount: int = 1) -> None:
-        with self._stats_lock:
-            self.stats[name] += amount
-
-    def _warn_once(self, topic: str, message: str) -> None:
-        if topic not in self._warned:
-            self._warned.add(topic)
-            logger.warning(message)
-
     # -- loads --------------------------------------------------------------------------------------
 
     def repair_block_copies(self, copies: tuple[tuple[int, int], ...]) -> None:
@@ -235,7 +224,7 @@ class WorkerSide:
         dst = torch.tensor([pair[1] for pair in copies], dtype=torch.long)
         for tensor in self._widest_views:
             tensor[dst] = tensor[src]  # gathers every source before writing (vLLM's semantics)
-        self._count("block_copies_repaired", len(copies))
+        self.stats.add("block_copies_repaired", len(copies))
 
     def start_load_kv(self, meta: KVToolMetadata) -> None:
         """Start this step's loads in the background (a worker without a store fails them at once)."""
@@ -256,7 +245,7 @@ class WorkerSide:
         wait_s = IDLE_LOAD_WAIT_S if step_tokens == 0 else 0.0
         finished, counts = self._loader.finish(wait_s)  # also starts loads whose turn came
         for name, amount in counts.items():
-            self._count(name, amount)
+            self.stats.add(name, amount)
         failed = finished.failed or {}
         for req_id, (token, failure) in failed.items():
             self._load_failures[req_id] = (token, failure.cause)
@@ -329,7 +318,7 @@ class WorkerSide:
         assert self._saver is not None
         breaker = getattr(self._store, "breaker", None)
         if breaker is not None and breaker.is_open:
-            self._count("saves_skipped_breaker")  # no copy made: the store is failing
+            self.stats.add("saves_skipped_breaker")  # no copy made: the store is failing
             return
         lease = self._saver.admit(len(save.transfers))
         if lease is None:
@@ -361,10 +350,9 @@ class WorkerSide:
     def take_stats(self) -> dict[str, int]:
         area = self._loader.area
         if area is not None and area.oversize:
-            self._count("loads_oversize", area.oversize)
+            self.stats.add("loads_oversize", area.oversize)
             area.oversize = 0
-        with self._stats_lock:
-            taken, self.stats = dict(self.stats), Counter()
+        taken = self.stats.take()
         for source in (self._saver, self._store):
             more = getattr(source, "take_stats", None)
             if more is not None:
