@@ -6,7 +6,7 @@ import time
 from typing import Any
 
 from connector.hits import HitDetails
-from kvtool.store.admin import MooncakeAdmin, wait_for_key
+from kvtool.store.admin import MooncakeAdmin, wait_for_key, wait_for_quiet_key_count
 from kvtool.pair.profiles import profile
 from kvtool.pair.ready import ReadyFile
 
@@ -69,15 +69,5 @@ class Durability:
     def _wait_key_count_quiet(self) -> bool:
         """Fallback without a signal: the master's key count has not changed for KEY_COUNT_QUIET_S."""
         assert self._pair.admin is not None
-        store = MooncakeAdmin(self._pair.admin)
-        deadline = time.monotonic() + self._timeout_s
-        last, quiet_since = None, time.monotonic()
-        while time.monotonic() < deadline:
-            count = store.key_count()
-            now = time.monotonic()
-            if count != last:
-                last, quiet_since = count, now
-            elif now - quiet_since >= KEY_COUNT_QUIET_S:
-                return True
-            time.sleep(KEY_COUNT_POLL_S)
-        return False
+        admin = MooncakeAdmin(self._pair.admin)
+        return wait_for_quiet_key_count(admin, self._timeout_s, KEY_COUNT_QUIET_S, poll_s=KEY_COUNT_POLL_S)[1]

@@ -16,6 +16,7 @@ from rich.table import Table
 
 from kvtool.client import complete
 from kvtool.errors import UserError
+from kvtool.store.admin import MooncakeAdmin, wait_for_quiet_key_count
 
 SEED = 7
 FIRST_TOKEN_ID = 3  # below are <unk>, <s>, </s>
@@ -54,15 +55,9 @@ def _wait_for_store_growth(admin_url: str | None, keys_before: float | None, tim
     if admin_url is None:
         time.sleep(1.0)
         return None
-    deadline = time.monotonic() + timeout_s
-    keys = keys_before
-    while time.monotonic() < deadline:
-        keys = metric_total(_metrics(admin_url), "master_key_count")
-        if keys is not None and keys_before is not None and keys > keys_before:
-            time.sleep(0.3)  # a save is usually several puts; let the rest arrive
-            return metric_total(_metrics(admin_url), "master_key_count")
-        time.sleep(0.2)
-    return keys
+    # A save is several puts: wait for the count to grow, then to stay put a moment.
+    keys, _ = wait_for_quiet_key_count(MooncakeAdmin(admin_url), timeout_s, quiet_s=0.3, above=keys_before)
+    return keys if keys is not None else keys_before
 
 
 def _flatten(params: Any, prefix: str = "") -> dict[str, str]:

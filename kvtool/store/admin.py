@@ -79,6 +79,25 @@ def wait_for_key(admin_url: str, key: str, timeout_s: float = 60.0, poll_s: floa
         time.sleep(poll_s)
 
 
+def wait_for_quiet_key_count(
+    admin: StoreAdmin, timeout_s: float, quiet_s: float, above: float | None = None, poll_s: float = 0.1
+) -> tuple[float | None, bool]:
+    """Wait until the store's key count is above ``above`` (when given) and then has not changed for
+    ``quiet_s``: the durability signal for a connector that names no key to wait for. Returns the
+    last count seen and whether it went quiet within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    last, quiet_since = None, time.monotonic()
+    while time.monotonic() < deadline:
+        count = admin.key_count()
+        now = time.monotonic()
+        if count != last or (above is not None and (count is None or count <= above)):
+            last, quiet_since = count, now
+        elif now - quiet_since >= quiet_s:
+            return count, True
+        time.sleep(poll_s)
+    return last, False
+
+
 # ---- listing and metrics (kvtool inspect) --------------------------------------------------
 
 # Keys per /batch_query_keys call: keeps the raw URL short (a key is under 80 characters).
