@@ -13,13 +13,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from kvtool.errors import UserError
 from kvtool.pair.launch import launched_pair
+from kvtool.pair.ready import ReadyFile, read_ready_file
 from kvtool.pair.config import Reporter, ServePairConfig
 from kvtool.pair.smoke import model_vocab_size
 
 from .config import CONNECTORS, BenchConfig, build_workload
 from .oracle import ideal_hits
 from .report import bench_document, connector_report
-from .runner import PairInfo, PairRunner, WorkloadRun, check_reachable, load_pair_info, pair_info
+from .runner import PairRunner, WorkloadRun, check_reachable
 from .workloads.base import Step, WorkloadShape, longest_prompts, prompts_known
 
 
@@ -80,7 +81,7 @@ def check_bench_input(config: BenchConfig, pair_file: Path | None, launch: bool,
 
 
 def run_workloads(
-    pair: PairInfo, config: BenchConfig, planned: list[PlannedWorkload], progress_console: Console | None
+    pair: ReadyFile, config: BenchConfig, planned: list[PlannedWorkload], progress_console: Console | None
 ) -> list[WorkloadRun]:
     runner = PairRunner(pair, config)
     runner.warm_up()
@@ -133,7 +134,7 @@ def run_bench(
     assert (pair_file is None) != (launch is None)
     failures: dict[str, str] = {}
     if pair_file is not None:
-        pair = load_pair_info(pair_file)
+        pair = read_ready_file(pair_file)
         check_reachable(pair)
         planned = plan_workloads(
             config, pair.block_size, pair.hash_unit, model_vocab_size(Path(pair.model)), pair.max_model_len
@@ -153,8 +154,7 @@ def run_bench(
             one = launch_config(launch, connector, compare=bool(compare))
             say(f"launching a {connector} pair (logs in {one.log_dir})")
             try:
-                with launched_pair(one, say) as (info, _procs):
-                    pair = pair_info(info, "the launched pair")
+                with launched_pair(one, say) as (pair, _procs):
                     runs = run_workloads(pair, config, planned, progress_console)
                     reports[connector] = connector_report(runs, launch.effective_block_size)
             except UserError as exc:

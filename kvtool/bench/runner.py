@@ -17,7 +17,7 @@ import httpx
 
 from connector.hits import HitDetails
 from kvtool.pair.profiles import profile
-from kvtool.pair.ready import ReadyFile, parse_ready_file, read_ready_file
+from kvtool.pair.ready import ReadyFile
 from kvtool.client import complete
 from kvtool.prometheus import total
 from kvtool.errors import ServerError, UserError
@@ -33,12 +33,9 @@ REQUEST_LOG_WAIT_S = 5.0
 
 
 # The bench reads serve-pair's ready file through its one contract (kvtool/pair/ready.py).
-PairInfo = ReadyFile
-load_pair_info = read_ready_file
-pair_info = parse_ready_file
 
 
-def check_reachable(pair: PairInfo) -> None:
+def check_reachable(pair: ReadyFile) -> None:
     for role, url in (("producer", pair.producer), ("consumer", pair.consumer)):
         if not http_ok(url.rstrip("/") + "/health"):
             raise UserError(f"the pair's {role} at {url} is not reachable; is serve-pair still running?", exit_code=1)
@@ -211,7 +208,7 @@ def engine_ms(before: tuple[float, float] | None, after: tuple[float, float] | N
     return (after[0] - before[0]) * 1000.0
 
 
-def request_log_readers(pair: PairInfo) -> dict[str, RequestLogReader]:
+def request_log_readers(pair: ReadyFile) -> dict[str, RequestLogReader]:
     """Each engine's kvtool request log, by role: where a measured request's hits are read."""
     if profile(pair.connector).hits_from != "request_log" or not pair.request_logs:
         return {}
@@ -226,7 +223,7 @@ def reused_steps(steps: list[Step]) -> set[int]:
 class PairRunner:
     """Runs workloads against one pair, one request at a time."""
 
-    def __init__(self, pair: PairInfo, config: BenchConfig) -> None:
+    def __init__(self, pair: ReadyFile, config: BenchConfig) -> None:
         self.pair = pair
         self.config = config
         # A per-run salt keeps this run's prompts apart from an earlier run's on the same pair.

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 from rich.table import Table
 
 from kvtool.commands.options import PairOptions, with_options
 from kvtool.commands.output import out, say, user_errors_exit
+from kvtool.pair.ready import ReadyFile
 
 
 @user_errors_exit
@@ -35,7 +36,7 @@ def serve_pair_command(
 
     cfg = pair.config(ready_file=ready_file)
 
-    def on_ready(info: dict[str, Any]) -> None:
+    def on_ready(info: ReadyFile) -> None:
         print_pair(info)
         if not smoke:
             say("serving; Ctrl-C stops everything")
@@ -45,24 +46,24 @@ def serve_pair_command(
         raise typer.Exit(code)
 
 
-def print_pair(info: dict[str, Any]) -> None:
+def print_pair(info: ReadyFile) -> None:
     table = Table(title="kvtool serve-pair")
     table.add_column("process")
     table.add_column("pid", justify="right")
     table.add_column("address")
     table.add_column("log")
     addresses = {
-        "master": f"{info['master']} (admin {info['admin']})",
-        "store": info.get("store_address") or "",
-        "producer": info["producer"],
-        "consumer": info["consumer"],
+        "master": f"{info.master} (admin {info.admin})",
+        "store": info.store_address or "",
+        "producer": info.producer,
+        "consumer": info.consumer,
     }
-    for name, pid in info["pids"].items():
-        table.add_row(name, str(pid), addresses.get(name, ""), str(Path(info["log_dir"]) / f"{name}.log"))
+    for name, pid in info.pids.items():
+        table.add_row(name, str(pid), addresses.get(name, ""), str(Path(info.log_dir) / f"{name}.log"))
     out.print(table)
     out.print(
-        f"model: {info['model']}\nconnector: {info['connector']}  roles: {info['roles']}  "
-        f"store: {info['store']}  block size: {info['block_size']}  hash unit: {info['hash_unit']}",
+        f"model: {info.model}\nconnector: {info.connector}  roles: {info.roles}  "
+        f"store: {info.store}  block size: {info.block_size}  hash unit: {info.hash_unit}",
         soft_wrap=True,
         highlight=False,
     )

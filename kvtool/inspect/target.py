@@ -8,10 +8,9 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from kvtool.errors import UserError
-from kvtool.pair.ready import read_ready_file
+from kvtool.pair.ready import ReadyFile, read_ready_file
 
 
 @dataclass(frozen=True)
@@ -25,27 +24,29 @@ class Target:
 
 
 def resolve_target(admin: str | None, pair: Path | None, master: str | None = None) -> Target:
-    info: dict[str, Any] = {}
+    info: ReadyFile | None = None
     if pair is not None:
-        info = read_ready_file(Path(pair)).to_json()
-        if not info.get("admin"):
+        info = read_ready_file(Path(pair))
+        if not info.admin:
             raise UserError(
                 f"{pair} is not a serve-pair ready file with an admin URL (was the pair started with Mooncake?)"
             )
-    admin_url = admin or info.get("admin")
+    admin_url = admin or (info.admin if info is not None else None)
     if not admin_url:
         raise UserError(
             "say which store to inspect: --admin http://HOST:PORT (the master's --metrics_port) or --pair READY_FILE"
         )
     if "://" not in admin_url:
         admin_url = f"http://{admin_url}"  # HOST:PORT, as the master's flags spell it
+    if info is None:
+        return Target(admin=admin_url, master=master)
     return Target(
         admin=admin_url,
-        master=master or info.get("master"),
-        model=info.get("model") or None,
-        block_size=info.get("block_size"),
-        hash_unit=info.get("hash_unit"),
-        divergence_grid=info.get("divergence_grid"),
+        master=master or info.master,
+        model=info.model or None,
+        block_size=info.block_size,
+        hash_unit=info.hash_unit,
+        divergence_grid=info.divergence_grid,
     )
 
 

@@ -335,9 +335,9 @@ def admin_url_for(cfg: ServePairConfig) -> str | None:
 
 def ready_info(
     cfg: ServePairConfig, pids: dict[str, int], admin_url: str | None, restarts: dict[str, int] | None = None
-) -> dict[str, Any]:
-    """What the ready file holds (kvtool/pair/ready.py), as JSON; rewritten whenever a supervised process
-    gets a new pid."""
+) -> ReadyFile:
+    """What the ready file holds (kvtool/pair/ready.py); rewritten whenever a supervised process gets a
+    new pid."""
     return ReadyFile(
         producer=cfg.base_url("producer"),
         consumer=cfg.base_url("consumer"),
@@ -359,7 +359,7 @@ def ready_info(
         else None,
         pids=pids,
         restarts=restarts or {},
-    ).to_json()
+    )
 
 
 def write_json_atomically(path: Path, content: dict[str, Any]) -> None:

@@ -13,9 +13,9 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
-from typing import Any
 
 from kvtool.errors import EXIT_INTERRUPTED, ServerError
+from kvtool.pair.ready import ReadyFile
 from kvtool.pair.procs import LOOPBACK, ProcessDied, ProcessSet, ReadinessCheck
 from kvtool.pair.config import (
     REPO_ROOT,
@@ -122,15 +122,16 @@ def start_engines(cfg: ServePairConfig, procs: ProcessSet, say: Reporter) -> Non
     say(f"all healthy after {time.monotonic() - began:.0f} s")
 
 
-class ReadyFile:
-    """The ready file: written once the pair is healthy, rewritten (atomically) after every restart."""
+class ReadyFileWriter:
+    """Writes the ready file (``kvtool.pair.ready.ReadyFile``) once the pair is healthy, rewrites it
+    (atomically) after every restart, removes it when the pair stops."""
 
     def __init__(self, path: Path | None) -> None:
         self.path = path
         self._lock = threading.Lock()
-        self._build: Callable[[], dict[str, Any]] | None = None
+        self._build: Callable[[], ReadyFile] | None = None
 
-    def publish(self, build: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    def publish(self, build: Callable[[], ReadyFile]) -> ReadyFile:
         with self._lock:
             self._build = build
             return self._write()
@@ -146,11 +147,11 @@ class ReadyFile:
             if self.path is not None:
                 self.path.unlink(missing_ok=True)
 
-    def _write(self) -> dict[str, Any]:
+    def _write(self) -> ReadyFile:
         assert self._build is not None
         info = self._build()
         if self.path is not None:
-            write_json_atomically(self.path, info)
+            write_json_atomically(self.path, info.to_json())
         return info
 
 
@@ -160,7 +161,7 @@ def launched_pair(
     say: Reporter,
     signal_guard: Callable[[], AbstractContextManager[None]] = nullcontext,
     policy: Policy = DEFAULT_POLICY,
-) -> Iterator[tuple[dict[str, Any], ProcessSet]]:
+) -> Iterator[tuple[ReadyFile, ProcessSet]]:
     """Start the pair, yield its ready info (written to cfg.ready_file too) and stop everything on exit.
 
     From the moment the master (and store) are ready until the pair stops, a supervisor thread
@@ -170,7 +171,7 @@ def launched_pair(
     preflight(cfg)
     cfg.log_dir.mkdir(parents=True, exist_ok=True)
     procs = ProcessSet(cfg.log_dir)
-    ready = ReadyFile(cfg.ready_file)
+    ready = ReadyFileWriter(cfg.ready_file)
     watch: Watch | None = None
     try:
         with signal_guard():
@@ -188,7 +189,7 @@ def launched_pair(
                 watch = Watch(supervisor).start()
             start_engines(cfg, procs, say)
 
-            def current_info() -> dict[str, Any]:
+            def current_info() -> ReadyFile:
                 restarts = supervisor.restarts() if supervisor is not None else {}
                 return ready_info(cfg, procs.pids(), admin_url_for(cfg), restarts)
 
@@ -217,8 +218,8 @@ def launched_pair(
 def run_pair(
     cfg: ServePairConfig,
     say: Reporter,
-    on_ready: Callable[[dict[str, Any]], None],
-    smoke: Callable[[dict[str, Any]], None] | None = None,
+    on_ready: Callable[[ReadyFile], None],
+    smoke: Callable[[ReadyFile], None] | None = None,
     policy: Policy = DEFAULT_POLICY,
 ) -> int:
     """Run until interrupted, until an engine dies, or (with smoke) until the smoke check ends.

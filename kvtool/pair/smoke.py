@@ -16,6 +16,7 @@ from rich.table import Table
 
 from kvtool.client import complete
 from kvtool.errors import UserError
+from kvtool.pair.ready import ReadyFile
 from kvtool.store.admin import MooncakeAdmin, wait_for_quiet_key_count
 
 SEED = 7
@@ -70,19 +71,19 @@ def _flatten(params: Any, prefix: str = "") -> dict[str, str]:
     return rows
 
 
-def run_smoke(info: dict[str, Any], console: Console) -> list[dict[str, Any]]:
+def run_smoke(info: ReadyFile, console: Console) -> list[dict[str, Any]]:
     """Run the exchanges and print one table (a column per exchange); return what was measured."""
-    model = info["model"]
-    admin = info.get("admin")
+    model = info.model
+    admin = info.admin
     cases: list[dict[str, Any]] = []
     for producer_prompt, consumer_prompt in smoke_prompts(model_vocab_size(Path(model))):
         keys_before = metric_total(_metrics(admin), "master_key_count") if admin else None
-        complete(info["producer"], model, producer_prompt, max_tokens=1)
+        complete(info.producer, model, producer_prompt, max_tokens=1)
         keys_after = _wait_for_store_growth(admin, keys_before)
 
-        hits_before = metric_total(_metrics(info["consumer"]), "vllm:external_prefix_cache_hits_total") or 0.0
-        response = complete(info["consumer"], model, consumer_prompt, max_tokens=8, logprobs=5)
-        hits_after = metric_total(_metrics(info["consumer"]), "vllm:external_prefix_cache_hits_total") or 0.0
+        hits_before = metric_total(_metrics(info.consumer), "vllm:external_prefix_cache_hits_total") or 0.0
+        response = complete(info.consumer, model, consumer_prompt, max_tokens=8, logprobs=5)
+        hits_after = metric_total(_metrics(info.consumer), "vllm:external_prefix_cache_hits_total") or 0.0
         details = (response.get("usage") or {}).get("prompt_tokens_details") or {}
         cases.append(
             {
@@ -95,7 +96,7 @@ def run_smoke(info: dict[str, Any], console: Console) -> list[dict[str, Any]]:
             }
         )
 
-    table = Table(title=f"smoke: connector={info['connector']} store={info['store']} block_size={info['block_size']}")
+    table = Table(title=f"smoke: connector={info.connector} store={info.store} block_size={info.block_size}")
     table.add_column("", style="bold", no_wrap=True)
     for number in range(len(cases)):
         table.add_column(f"exchange {number + 1}", justify="right", overflow="fold")

@@ -18,6 +18,7 @@ import pytest
 from kvtool.pair.launch import run_pair
 from kvtool.pair.procs import ProcessDied, ProcessSet, ReadinessCheck, find_free_port, http_ok, tcp_port_open
 from kvtool.pair.config import ServePairConfig
+from kvtool.pair.ready import ReadyFile
 from kvtool.store.mooncake import find_binary, master_argv, mooncake_env
 from kvtool.pair.supervise import Backoff, Policy, Supervisor, Watch
 
@@ -152,9 +153,9 @@ def test_serve_pair_restarts_its_master_and_still_stops_when_an_engine_dies(tmp_
         except Exception as exc:  # noqa: BLE001 (reported by the test below)
             seen["error"] = exc
         finally:
-            os.kill(info["pids"]["producer"], signal.SIGKILL)  # an engine dies: serve-pair must stop
+            os.kill(info.pids["producer"], signal.SIGKILL)  # an engine dies: serve-pair must stop
 
-    def on_ready(info: dict) -> None:
+    def on_ready(info: ReadyFile) -> None:
         seen["info"] = info
         threading.Thread(target=kill_master_then_producer, args=(info,), daemon=True).start()
 

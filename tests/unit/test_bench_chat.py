@@ -25,10 +25,10 @@ from kvtool.bench.oracle import (
     run_ideals,
 )
 from kvtool.bench.report import bench_document, bench_report, connector_report
+from kvtool.pair.ready import ReadyFile
 from kvtool.bench.runner import (
     ConsumerResult,
     Durability,
-    PairInfo,
     PairRunner,
     ProducerResult,
     WorkloadRun,
@@ -208,8 +208,8 @@ def test_answer_token_ids_from_a_response_a_stream_or_logprobs():
     assert answer_token_ids({"choices": [{"index": 0, "text": "x"}]}) is None
 
 
-def ready(connector: str, roles: str | None = "both", logs: dict[str, str] | None = None) -> PairInfo:
-    return PairInfo(
+def ready(connector: str, roles: str | None = "both", logs: dict[str, str] | None = None) -> ReadyFile:
+    return ReadyFile(
         producer="http://producer",
         consumer="http://consumer",
         model="m",

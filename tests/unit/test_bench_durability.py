@@ -9,7 +9,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from kvtool.bench.durability import Durability
-from kvtool.bench.runner import PairInfo
+from kvtool.pair.ready import ReadyFile
 
 
 class FakeAdmin(BaseHTTPRequestHandler):
@@ -44,8 +44,8 @@ def admin_url():
     server.shutdown()
 
 
-def pair(admin: str, connector: str) -> PairInfo:
-    return PairInfo(
+def pair(admin: str, connector: str) -> ReadyFile:
+    return ReadyFile(
         producer="p",
         consumer="c",
         admin=admin,

@@ -18,9 +18,9 @@ from kvtool.bench.runner import (
     WorkloadRun,
     cached_tokens_hit,
     kvtool_hit,
-    load_pair_info,
 )
 from kvtool.cli import app
+from kvtool.pair.ready import read_ready_file
 from kvtool.errors import UserError
 from kvtool.pair.procs import find_free_port
 
@@ -149,13 +149,13 @@ def test_compare_list_is_checked():
 
 def test_ready_file_errors_are_sentences(tmp_path):
     with pytest.raises(UserError, match="cannot read the ready file"):
-        load_pair_info(tmp_path / "missing.json")
+        read_ready_file(tmp_path / "missing.json")
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(UserError, match="is not JSON"):
-        load_pair_info(tmp_path / "bad.json")
+        read_ready_file(tmp_path / "bad.json")
     (tmp_path / "partial.json").write_text('{"producer": "http://127.0.0.1:1"}')
     with pytest.raises(UserError, match="is not a serve-pair ready file"):
-        load_pair_info(tmp_path / "partial.json")
+        read_ready_file(tmp_path / "partial.json")
 
 
 def one_line_error(args: list[str]) -> str:

@@ -25,6 +25,7 @@ from kvtool.pair.config import (
     write_json_atomically,
 )
 from kvtool.store.mooncake import master_argv, mooncake_config_path, store_argv, vllm_mooncake_file_config
+from kvtool.pair.ready import ReadyFile
 from kvtool.pair.smoke import metric_total, smoke_prompts
 
 MiB = 1 << 20
@@ -219,7 +220,7 @@ def test_master_stays_on_loopback(tmp_path):
 def test_ready_info_content(tmp_path):
     cfg = make_config(tmp_path, producer_port=8101, consumer_port=8201, master_port=6004, admin_port=6005)
     pids = {"master": 1, "producer": 2, "consumer": 3}
-    info = ready_info(cfg, pids, admin_url_for(cfg), {"master": 2})
+    info = ready_info(cfg, pids, admin_url_for(cfg), {"master": 2}).to_json()
     assert info == {
         "producer": "http://127.0.0.1:8101",
         "consumer": "http://127.0.0.1:8201",
@@ -252,7 +253,7 @@ def test_ready_info_content(tmp_path):
 def test_an_external_master_has_an_admin_url_but_no_pid(tmp_path):
     cfg = make_config(tmp_path, external_master="10.0.0.7:50051", admin_port=9100)
     info = ready_info(cfg, {"producer": 2, "consumer": 3}, admin_url_for(cfg))
-    assert (info["master"], info["admin"], info["master_pid"], info["restarts"]) == (
+    assert (info.master, info.admin, info.master_pid, info.restarts) == (
         "10.0.0.7:50051",
         "http://10.0.0.7:9100",
         None,
@@ -264,7 +265,7 @@ def test_an_external_master_has_an_admin_url_but_no_pid(tmp_path):
 @pytest.mark.parametrize("connector, roles, written", [("kvtool", "both", "both"), ("none", "pd", None)])
 def test_ready_info_names_the_roles(tmp_path, connector, roles, written):
     cfg = make_config(tmp_path, connector=connector, roles=roles)
-    assert ready_info(cfg, {"producer": 2, "consumer": 3}, admin_url_for(cfg))["roles"] == written
+    assert ready_info(cfg, {"producer": 2, "consumer": 3}, admin_url_for(cfg)).roles == written
 
 
 def test_port_in_use_names_the_flag():
@@ -326,9 +327,10 @@ def test_smoke_table_tolerates_absent_kv_transfer_params(monkeypatch, params):
         return {"usage": {"prompt_tokens_details": {"cached_tokens": 0}}, "kv_transfer_params": params}
 
     monkeypatch.setattr(smoke, "complete", fake_complete)
-    info = {"model": "/m", "admin": None, "producer": "P", "consumer": "C", "connector": "x", "store": None}
+    info = ReadyFile(model="/m", producer="P", consumer="C", connector="x", block_size=32, hash_unit=1,
+                     max_model_len=2048)  # fmt: skip
     console = Console(record=True, width=100)
-    cases = smoke.run_smoke({**info, "block_size": 32}, console)
+    cases = smoke.run_smoke(info, console)
     assert [(url, n) for url, n, _ in sent] == [("P", 20), ("C", 50), ("P", 85), ("C", 115)]
     assert sent[1][2] == {"max_tokens": 8, "logprobs": 5}
     assert [c["kv_transfer_params"] for c in cases] == [params, params]
@@ -343,14 +345,14 @@ def test_the_ready_file_serve_pair_writes_is_the_one_every_reader_parses(tmp_pat
 
     cfg = ServePairConfig(model=tmp_path, log_dir=tmp_path, max_model_len=1024)
     written = ready_info(cfg, {"master": 11, "producer": 12, "consumer": 13}, "http://127.0.0.1:9003", {"master": 1})
-    parsed = parse_ready_file(json.loads(json.dumps(written)), "the ready file")
+    parsed = parse_ready_file(json.loads(json.dumps(written.to_json())), "the ready file")
     assert (parsed.max_model_len, parsed.admin, parsed.master_pid, parsed.restarts) == (
         1024,
         "http://127.0.0.1:9003",
         11,
         {"master": 1},
     )
-    assert parsed.to_json() == written
+    assert parsed == written
 
 
 def test_every_connector_choice_has_one_profile_and_they_say_what_the_branches_said():
@@ -390,7 +392,7 @@ def test_a_mamba_preset_pair_gets_its_engine_flags_and_the_engines_block_size(tm
     assert flag_value(producer, "--prefix-match-unit") == "1" and "--prefix-match-unit" not in consumer
     in_tree = cfg.model_copy(update={"connector": "vllm-mooncake-store"})
     assert flag_value(engine_argv(in_tree, "consumer"), "--prefix-match-unit") == "1"  # its own sub-block hits
-    assert ready_info(cfg, {}, None)["block_size"] == 64
+    assert ready_info(cfg, {}, None).block_size == 64
 
 
 def test_plain_presets_add_no_engine_flags(tmp_path, monkeypatch):
@@ -401,7 +403,7 @@ def test_plain_presets_add_no_engine_flags(tmp_path, monkeypatch):
         cfg = PairOptions(model_preset=preset, log_dir=tmp_path).config(report=lambda _: None)
         argv = engine_argv(cfg, "producer")
         assert "--prefix-match-unit" not in argv and "--mamba-cache-mode" not in argv
-        assert ready_info(cfg, {}, None)["block_size"] == 32
+        assert ready_info(cfg, {}, None).block_size == 32
 
 
 def test_max_num_batched_tokens_sets_the_engines_prefill_chunk(tmp_path, monkeypatch):

@@ -13,7 +13,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvtool.pair.launch import ReadyFile
+from kvtool.pair.launch import ReadyFileWriter
+from kvtool.pair.ready import ReadyFile
 from kvtool.pair.procs import ProcessSet
 from kvtool.pair.supervise import Backoff, Decision, Policy, RestartTracker, Supervisor, Watch
 
@@ -291,13 +292,18 @@ def test_a_start_that_fails_is_retried_with_a_longer_backoff(processes, tmp_path
 def test_ready_file_is_written_once_published_and_rewritten_on_refresh(tmp_path):
     path = tmp_path / "ready.json"
     state = {"master_pid": 1}
-    ready = ReadyFile(path)
+
+    def info() -> ReadyFile:
+        return ReadyFile(producer="P", consumer="C", model="m", block_size=32, hash_unit=1, max_model_len=64,
+                         connector="kvtool", master_pid=state["master_pid"])  # fmt: skip
+
+    ready = ReadyFileWriter(path)
     ready.refresh()  # a restart before the pair is ready: nothing written yet
     assert not path.exists()
-    assert ready.publish(lambda: dict(state)) == {"master_pid": 1}
+    assert ready.publish(info).master_pid == 1
     state["master_pid"] = 2
     ready.refresh()
-    assert json.loads(path.read_text()) == {"master_pid": 2}
+    assert json.loads(path.read_text())["master_pid"] == 2
     ready.remove()
     ready.refresh()
     assert not path.exists()
