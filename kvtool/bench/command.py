@@ -15,6 +15,7 @@ from kvtool.errors import UserError
 from kvtool.pair.launch import launched_pair
 from kvtool.pair.ready import ReadyFile, read_ready_file
 from kvtool.pair.config import Reporter, ServePairConfig
+from kvtool.pair.profiles import profile
 from kvtool.pair.smoke import model_vocab_size
 
 from .config import CONNECTORS, BenchConfig, build_workload
@@ -99,7 +100,7 @@ def run_workloads(
 
 def launch_config(cfg: ServePairConfig, connector: str, compare: bool = False) -> ServePairConfig:
     update: dict[str, Any] = {"connector": connector, "log_dir": cfg.log_dir / connector, "ready_file": None}
-    if compare and connector == "none":
+    if compare and not profile(connector).has_roles:
         update["roles"] = "pd"  # the baseline without a connector has no roles; --roles applies to the others
     return cfg.model_copy(update=update)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from collections.abc import Callable
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -17,7 +17,6 @@ from .workloads.prefix_repetition import PrefixRepetition
 
 _Model = TypeVar("_Model", bound=BaseModel)
 
-ConnectorName = Literal["kvtool", "vllm-mooncake-store", "lmcache", "none"]
 CONNECTORS: tuple[str, ...] = CONNECTOR_NAMES
 DEFAULT_WORKLOADS = ("sub-block",)
 TOP_LOGPROBS = 5

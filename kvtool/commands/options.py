@@ -12,13 +12,14 @@ import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, TypeVar, get_type_hints
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar, get_args, get_type_hints
 
 import typer
 from rich.console import Console
 
 from kvtool.commands.output import OutputFormat, check_writable, err, say
 from kvtool.errors import UserError
+from kvtool.pair.config import RolesChoice, StoreChoice
 
 if TYPE_CHECKING:
     from kvtool.pair.config import ServePairConfig
@@ -114,8 +115,8 @@ class OutputOptions:
 # ---- the pair: serve-pair and bench --launch ------------------------------------------------
 
 PAIR_PANEL = "Pair (serve-pair, bench --launch)"
-ROLES_CHOICES = ("pd", "both")
-STORE_CHOICES = ("embedded", "standalone")
+ROLES_CHOICES = get_args(RolesChoice)  # declared once, with ServePairConfig
+STORE_CHOICES = get_args(StoreChoice)
 
 
 def _pair(help_text: str, *names: str, hidden: bool = False) -> Any:

@@ -21,12 +21,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from connector.config import KVToolConfig, divergence_grid
 from kvtool.errors import UserError
 from kvtool.pair import profiles
-from kvtool.pair.profiles import ConnectorProfile, TransferSettings
+from kvtool.pair.profiles import ConnectorChoice, ConnectorProfile, TransferSettings
 from kvtool.pair.ready import ReadyFile
 from kvtool.pair.procs import LOOPBACK, ensure_port_free, tcp_port_open
 from kvtool.store.mooncake import find_binary, lmcache_binary, mooncake_config_path
 
-ConnectorChoice = Literal["kvtool", "vllm-mooncake-store", "lmcache", "none"]
 StoreChoice = Literal["embedded", "standalone"]
 RolesChoice = Literal["pd", "both"]  # pd: kv_producer + kv_consumer; both: kv_both on each engine
 Role = Literal["producer", "consumer"]
@@ -110,7 +109,7 @@ class ServePairConfig(BaseModel):
     @property
     def starts_lmcache(self) -> bool:
         """LMCache's multiprocess server (on --store-port), which its connector's engines share."""
-        return self.connector == "lmcache"
+        return self.profile.starts_lmcache
 
     @property
     def master_address(self) -> str | None:
@@ -283,9 +282,9 @@ def preflight(cfg: ServePairConfig) -> None:
         raise UserError(
             f"--hash-unit {cfg.hash_unit} is larger than --block-size {cfg.block_size}; use 1..{cfg.block_size}"
         )
-    if cfg.connector == "none" and cfg.store == "standalone":
+    if not cfg.profile.has_roles and cfg.store == "standalone":
         raise UserError("--store standalone needs a connector; drop it or pick --connector kvtool")
-    if cfg.connector == "none" and cfg.roles != "pd":
+    if not cfg.profile.has_roles and cfg.roles != "pd":
         raise UserError(
             f"--roles {cfg.roles} needs a connector; drop it or pick --connector kvtool or vllm-mooncake-store"
         )
@@ -347,7 +346,7 @@ def ready_info(
         model=str(cfg.model),
         block_size=cfg.effective_block_size,
         hash_unit=cfg.hash_unit,
-        divergence_grid=cfg.effective_divergence_grid if cfg.connector == "kvtool" else None,
+        divergence_grid=cfg.effective_divergence_grid if cfg.profile.has_divergence_grid else None,
         max_model_len=cfg.max_model_len,
         connector=cfg.connector,
         roles=cfg.roles if cfg.uses_mooncake else None,

@@ -11,11 +11,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 KVTOOL_CONNECTOR_CLASS = "KVToolConnector"
 KVTOOL_CONNECTOR_MODULE = "connector.connector"
 VLLM_STORE_CONNECTOR_CLASS = "MooncakeStoreConnector"
+
+# Every --connector choice, declared here only: the CLI, ServePairConfig and the reports take it from
+# here, and PROFILES has one entry per choice (a test holds them together).
+ConnectorChoice = Literal["kvtool", "vllm-mooncake-store", "lmcache", "none"]
 
 Durability = Literal["signal", "key_count", "settle", "none"]  # save_last_key in the store / master key count quiet
 HitSource = Literal["request_log", "usage"]  # the connector's request log / usage.cached_tokens
@@ -50,6 +54,9 @@ class ConnectorProfile:
     # vLLM flags its engines get on a model with Mamba state groups (the in-tree store connector's own
     # sub-block hits need sub-block prefix matching; kvtool refuses it, see connector/layout.py).
     state_model_args: tuple[str, ...] = ()
+    starts_lmcache: bool = False  # its engines share LMCache's multiprocess server (on --store-port)
+    has_divergence_grid: bool = False  # takes --divergence-grid (kvtool's pointers inside stored objects)
+    has_roles: bool = True  # takes --roles (no connector: an engine neither saves nor loads)
 
     def kv_transfer_config(self, settings: TransferSettings) -> dict[str, Any] | None:
         return self._transfer(settings)
@@ -113,7 +120,9 @@ def _lmcache_transfer(settings: TransferSettings) -> dict[str, Any]:
 
 
 PROFILES: dict[str, ConnectorProfile] = {
-    "kvtool": ConnectorProfile("kvtool", True, "signal", "request_log", False, (31, 119, 180), _kvtool_transfer),
+    "kvtool": ConnectorProfile(
+        "kvtool", True, "signal", "request_log", False, (31, 119, 180), _kvtool_transfer, has_divergence_grid=True
+    ),
     "vllm-mooncake-store": ConnectorProfile(
         "vllm-mooncake-store",
         True,
@@ -124,10 +133,14 @@ PROFILES: dict[str, ConnectorProfile] = {
         _vllm_store_transfer,
         state_model_args=("--prefix-match-unit", "1"),
     ),
-    "lmcache": ConnectorProfile("lmcache", False, "settle", "usage", False, (148, 103, 189), _lmcache_transfer),
-    "none": ConnectorProfile("none", False, "none", "usage", False, (44, 160, 44), lambda _settings: None),
+    "lmcache": ConnectorProfile(
+        "lmcache", False, "settle", "usage", False, (148, 103, 189), _lmcache_transfer, starts_lmcache=True
+    ),
+    "none": ConnectorProfile(
+        "none", False, "none", "usage", False, (44, 160, 44), lambda _settings: None, has_roles=False
+    ),
 }
-CONNECTOR_NAMES: tuple[str, ...] = tuple(PROFILES)
+CONNECTOR_NAMES: tuple[str, ...] = get_args(ConnectorChoice)
 
 
 def profile(name: str) -> ConnectorProfile:

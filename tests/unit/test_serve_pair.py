@@ -356,10 +356,14 @@ def test_the_ready_file_serve_pair_writes_is_the_one_every_reader_parses(tmp_pat
 
 
 def test_every_connector_choice_has_one_profile_and_they_say_what_the_branches_said():
-    from kvtool.pair.profiles import CONNECTOR_NAMES, profile
+    from kvtool.pair.profiles import CONNECTOR_NAMES, PROFILES, profile
 
-    assert CONNECTOR_NAMES == ("kvtool", "vllm-mooncake-store", "lmcache", "none")
+    assert CONNECTOR_NAMES == ("kvtool", "vllm-mooncake-store", "lmcache", "none") == tuple(PROFILES)
     kvtool, vllm, lmcache, none = (profile(name) for name in CONNECTOR_NAMES)
+    # What code used to learn by comparing names, each profile says.
+    assert [p.name for p in PROFILES.values() if p.starts_lmcache] == ["lmcache"]
+    assert [p.name for p in PROFILES.values() if p.has_divergence_grid] == ["kvtool"]
+    assert [p.name for p in PROFILES.values() if not p.has_roles] == ["none"]
     assert (lmcache.uses_store, lmcache.durability, lmcache.hits_from) == (False, "settle", "usage")
     assert (kvtool.durability, kvtool.hits_from, kvtool.uses_store) == ("signal", "request_log", True)
     assert (vllm.durability, vllm.hits_from, vllm.mooncake_config_file) == ("key_count", "usage", True)
