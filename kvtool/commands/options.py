@@ -91,11 +91,15 @@ class OutputOptions:
             return self
         if self.output is not None and self.output != path:
             raise UserError("--json PATH is the old name of --output PATH; give one of them")
+        say("--json PATH is the old name of --output PATH and goes away in the next release; use --output")
         return replace(self, output=path)
 
     def with_legacy_json_flag(self, as_json: bool) -> OutputOptions:
         """inspect's old ``--json`` flag: the same as ``--format json``."""
-        return replace(self, format=OutputFormat.json) if as_json else self
+        if not as_json:
+            return self
+        say("--json is the old name of --format json and goes away in the next release; use --format json")
+        return replace(self, format=OutputFormat.json)
 
     def check(self) -> None:
         """A file --output cannot write fails now, before anything runs."""
