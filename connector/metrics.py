@@ -1,8 +1,9 @@
-"""Connector metrics: worker counters shipped through vLLM's connector stats, and their Prometheus form.
+"""Connector metrics: the counters every component keeps (``counters.Counters``), shipped through vLLM's
+connector stats and exported as ``vllm:kvtool_<name>_total``, each with the help text ``COUNTERS`` gives.
 
-Counter names: objects_loaded, block_objects_loaded, tail_objects_loaded, bytes_loaded,
-load_failures_<cause> (store_error, missing, namespace, checksum, truncated, mismatch, hash, foreign,
-version, corrupt), saves_<outcome> (stored, no_space, failed), bytes_saved.
+``COUNTERS`` is the one list of what the connector counts: a name, or a family ``prefix_<label>`` whose
+label is a cause or outcome. ``tests/unit/test_metrics_catalogue.py`` holds it against the names the code
+counts and against the README's table.
 """
 
 from __future__ import annotations
@@ -10,6 +11,67 @@ from __future__ import annotations
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+
+
+# What the connector counts. A key ending in ``_<...>`` is a family: the label names what varies.
+COUNTERS: dict[str, str] = {
+    # lookups (scheduler side)
+    "lookups": "lookups answered (hit or miss)",
+    "lookup_errors": "lookups that failed (store error or time-out): served as misses",
+    "lookup_batches": "lookup batches sent to the store (one per scheduler step with new requests)",
+    "lookup_timeouts": "lookups not answered within lookup_timeout_s: misses",
+    "pointer_reads_failed": "lookups whose pointer reads failed: served without the hits that needed them",
+    "requests_unhashable": "requests whose token ids the key schema cannot encode: never looked up or saved",
+    "session_chunks_rekeyed": "streaming-input sessions whose next chunk changed their keys",
+    # loads: the cost model's verdicts (scheduler side), then the worker's loads
+    "loads_<verdict>": "hits not taken as found: unprofitable (nothing loaded) or trimmed (the partial block dropped)",
+    "loads_explored": "hits the cost model declined but took anyway, so that loads keep being measured",
+    "loads_queued": "loads that waited for load-area slots or a fetch thread",
+    "loads_oversize": "loads larger than the whole load area, read into a buffer of their own",
+    "objects_loaded": "objects copied into the KV cache",
+    "block_objects_loaded": "full-block objects copied into the KV cache",
+    "tail_objects_loaded": "tail objects (a partial block) copied into the KV cache",
+    "state_objects_loaded": "state objects (a Mamba group's state) copied into the KV cache",
+    "bytes_loaded": "payload bytes copied into the KV cache",
+    "load_failures_<cause>": "loads that failed, by cause (store_error, missing, timeout, no_turn, checksum, "
+    "namespace, hash, mismatch, truncated, version, foreign, corrupt, unloadable, no_store): recomputed",
+    # saves (worker side)
+    "saves_<outcome>": "save objects by outcome (stored, present, no_space, failed, dropped_shutdown)",
+    "saves_dropped_budget": "saves with no room in the save area at all: nothing copied",
+    "save_objects_dropped_budget": "objects of saves that found the save area too full for them",
+    "saves_skipped_breaker": "saves not copied because the store's breaker was open",
+    "saves_crashed": "saves a bug stopped (logged): dropped, never retried",
+    "save_objects_not_held": "objects a save planned whose blocks vLLM no longer held",
+    "bytes_saved": "payload bytes stored",
+    "puts_retried_no_space": "object puts tried again after the store refused them for lack of space",
+    "pointers_<outcome>": "divergence pointers put, by outcome (stored, no_space, failed)",
+    "watermarks_<outcome>": "watermark records put, by outcome (stored, no_space, failed)",
+    "state_checkpoints": "Mamba state objects saved at block boundaries inside a prompt",
+    "answer_saves": "saves of prompt + answer at request end",
+    "answer_saves_skipped_loading": "answer saves skipped: the request ended while its load still filled its blocks",
+    "answer_saves_skipped_in_flight": "answer saves skipped: a step in flight had moved the Mamba state on",
+    "block_copies_repaired": "vLLM copy-on-write block copies redone whole (hybrid models)",
+    # the store
+    "store_errors_<call>": "store calls that failed or timed out, by call (exists, get, put)",
+    "breaker_skipped_<call>": "store calls skipped while the breaker was open, by call (exists, get, put)",
+    "breaker_opened": "times the breaker opened after failures in a row",
+    # the engine's threads
+    "engine_thread_us": "microseconds the connector spent on the engine's threads (every hook vLLM calls)",
+    "engine_thread_calls": "connector hook calls on the engine's threads",
+    "engine_thread_slow_calls": "connector hook calls over 20 ms",
+}
+
+
+def counter_help(name: str) -> str:
+    """The help text of a counter: its own entry, else its family's (the longest prefix), with the label."""
+    if name in COUNTERS:
+        return COUNTERS[name]
+    families = [key for key in COUNTERS if key.endswith(">") and name.startswith(key[: key.index("<")])]
+    if families:
+        family = max(families, key=len)
+        label = name[len(family[: family.index("<")]) :]
+        return f"{COUNTERS[family]} [{label}]"
+    return f"kvtool connector: {name.replace('_', ' ')}"
 
 
 class KVToolStats(KVConnectorStats):
@@ -41,7 +103,7 @@ class KVToolPromMetrics(KVConnectorPromMetrics):
         if per_engine is None:
             counter = self._counter_cls(
                 name=f"vllm:kvtool_{name}",
-                documentation=f"kvtool connector: {name.replace('_', ' ')}",
+                documentation=counter_help(name),
                 labelnames=self._labelnames,
             )
             per_engine = {idx: counter.labels(*values) for idx, values in self.per_engine_labelvalues.items()}

@@ -407,10 +407,10 @@ class SchedulerSide:
     def take_stats(self) -> dict[str, int]:
         taken = self.stats.take()
         if self._lookups is not None:
-            for name in ("batches", "timeouts"):
+            for counter, name in (("lookup_batches", "batches"), ("lookup_timeouts", "timeouts")):
                 value = getattr(self._lookups, name)
                 if value:
-                    taken[f"lookup_{name}"] = value
+                    taken[counter] = value
                     setattr(self._lookups, name, 0)
         more = getattr(self._store, "take_stats", None)
         if more is not None:
