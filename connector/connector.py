@@ -22,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from .breaker import BreakerPolicy, CircuitBreaker, GuardedStore
+from .instrumented import InstrumentedStore
 from .config import KVToolConfig, load_config
 from .data import KVToolMetadata, KVToolWorkerMeta
 from .layout import EngineLayout, UnsupportedLayout, check_attention_layout, engine_layout
@@ -93,7 +94,7 @@ class KVToolConnector(KVConnectorBase_V1, SupportsHMA):
                 namespace, self._store, self.config, saves_enabled=saves_enabled or answers_enabled
             )
 
-    def _open_store(self, role: KVConnectorRole) -> GuardedStore | None:
+    def _open_store(self, role: KVConnectorRole) -> InstrumentedStore | None:
         # Only the worker lends memory to the store; the scheduler side only asks what exists.
         config = (
             self.config if role == KVConnectorRole.WORKER else self.config.model_copy(update={"global_segment_size": 0})
@@ -108,7 +109,8 @@ class KVToolConnector(KVConnectorBase_V1, SupportsHMA):
             )
             return None
         side = "worker" if role == KVConnectorRole.WORKER else "scheduler"
-        return GuardedStore(shared, CircuitBreaker(_breaker_policy(self.config)), side)
+        # Counted outside the breaker: a call's time is what its caller waited, skips included.
+        return InstrumentedStore(GuardedStore(shared, CircuitBreaker(_breaker_policy(self.config)), side))
 
     # ---- scheduler side ---------------------------------------------------------------------------
 

@@ -51,7 +51,10 @@ COUNTERS: dict[str, str] = {
     "answer_saves_skipped_loading": "answer saves skipped: the request ended while its load still filled its blocks",
     "answer_saves_skipped_in_flight": "answer saves skipped: a step in flight had moved the Mamba state on",
     "block_copies_repaired": "vLLM copy-on-write block copies redone whole (hybrid models)",
-    # the store
+    # the store (connector/instrumented.py counts every call by wrapping the store interface)
+    "store_calls_<call>": "store calls made, by kind (exists, get, put)",
+    "store_items_<call>": "keys asked or objects moved by store calls, by kind (exists, get, put)",
+    "store_call_us_<call>": "microseconds callers waited on store calls, by kind (exists, get, put)",
     "store_errors_<call>": "store calls that failed or timed out, by call (exists, get, put)",
     "breaker_skipped_<call>": "store calls skipped while the breaker was open, by call (exists, get, put)",
     "breaker_opened": "times the breaker opened after failures in a row",
