@@ -1,6 +1,8 @@
 """The connector's configuration: one typed, validated object built from ``kv_connector_extra_config``.
 
-Mooncake settings come from the extra config, or from a Mooncake JSON file named by
+A store backend's settings live in its own section (``mooncake``: ``MooncakeSettings``); the same
+fields at the top level, as every config before the section wrote them, are still accepted and moved
+there. Mooncake settings come from the extra config, or from a Mooncake JSON file named by
 ``mooncake_config_path`` (or the ``MOONCAKE_CONFIG_PATH`` environment variable); fields given in the
 extra config win over the file.
 """
@@ -12,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 _MOONCAKE_FIELDS = (
     "local_hostname",
@@ -32,11 +34,12 @@ class ConfigError(ValueError):
 EXTEND_MIN_TOKENS = 16  # extend_min_tokens' default
 
 
-class KVToolConfig(BaseModel):
+class MooncakeSettings(BaseModel):
+    """The Mooncake store client's settings: the ``mooncake`` section of the connector config (the same
+    fields at the top level are still accepted and moved here)."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    # The store: its backend (connector/store.py BACKENDS), and the Mooncake client's settings.
-    store_backend: Literal["mooncake"] = "mooncake"
     master_server_address: str = Field(min_length=3, description="host:port of the mooncake_master RPC")
     metadata_server: str = "P2PHANDSHAKE"
     local_hostname: str = "127.0.0.1"
@@ -44,6 +47,48 @@ class KVToolConfig(BaseModel):
     device_name: str = ""
     global_segment_size: int = Field(default=256 << 20, ge=0, description="bytes this engine lends the store")
     local_buffer_size: int = Field(default=64 << 20, gt=0, description="client transfer buffer, bytes")
+
+    @field_validator("master_server_address")
+    @classmethod
+    def _host_port(cls, value: str) -> str:
+        host, sep, port = value.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError("must be host:port, e.g. 127.0.0.1:50051")
+        return value
+
+
+MOONCAKE_FIELDS: tuple[str, ...] = tuple(MooncakeSettings.model_fields)
+
+
+class KVToolConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # The store: its backend (connector/store.py BACKENDS) and that backend's own section.
+    store_backend: Literal["mooncake"] = "mooncake"
+    mooncake: MooncakeSettings
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_store_fields(cls, data: Any) -> Any:
+        """Mooncake's fields at the top level (every config before the ``mooncake`` section) go into it;
+        one given both ways with different values is refused."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        section = data.get("mooncake", {})
+        section = dict(section.model_dump() if isinstance(section, MooncakeSettings) else section or {})
+        for name in _MOONCAKE_FIELDS:
+            if name in data:
+                value = data.pop(name)
+                if name in section and section[name] != value:
+                    raise ValueError(f"{name} is given at the top level and in the mooncake section, differently")
+                section[name] = value
+        data["mooncake"] = section
+        return data
+
+    def with_mooncake(self, **changes: Any) -> KVToolConfig:
+        """This config with some of the Mooncake section's fields changed."""
+        return self.model_copy(update={"mooncake": self.mooncake.model_copy(update=changes)})
 
     # Keys and hashing.
     hash_unit: int = Field(default=1, gt=0, description="tail boundary grid, tokens")
@@ -110,14 +155,6 @@ class KVToolConfig(BaseModel):
             raise ValueError("must be 0 (no pointers), a positive number of tokens, or auto")
         return value
 
-    @field_validator("master_server_address")
-    @classmethod
-    def _host_port(cls, value: str) -> str:
-        host, sep, port = value.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ValueError("must be host:port, e.g. 127.0.0.1:50051")
-        return value
-
 
 def lead_pointers(config: KVToolConfig, block_size: int) -> bool:
     """Whether saves put a lead pointer at each object's first token too (``has_lead_pointers``)."""
@@ -148,10 +185,12 @@ def load_config(extra_config: dict[str, Any] | None) -> KVToolConfig:
     """Build the validated config; raise ConfigError with one sentence per bad field."""
     raw = dict(extra_config or {})
     file_path = raw.pop("mooncake_config_path", None) or os.environ.get("MOONCAKE_CONFIG_PATH")
-    merged: dict[str, Any] = {}
-    if file_path:
-        merged.update(_read_mooncake_file(Path(file_path)))
-    merged.update(raw)
+    merged: dict[str, Any] = dict(raw)
+    if file_path:  # the file's fields, under what the extra config gives (flat or in its section)
+        given = {**(raw.get("mooncake") or {}), **{name: raw[name] for name in _MOONCAKE_FIELDS if name in raw}}
+        from_file = {k: v for k, v in _read_mooncake_file(Path(file_path)).items() if k not in given}
+        if from_file:
+            merged["mooncake"] = {**from_file, **(raw.get("mooncake") or {})}
     try:
         return KVToolConfig(**merged)
     except ValidationError as exc:
@@ -159,7 +198,9 @@ def load_config(extra_config: dict[str, Any] | None) -> KVToolConfig:
         for error in exc.errors():
             field = ".".join(str(part) for part in error["loc"]) or "(config)"
             if error["type"] == "extra_forbidden":
-                accepted = ", ".join(sorted(KVToolConfig.model_fields))
+                accepted = ", ".join(
+                    sorted({*KVToolConfig.model_fields, *MooncakeSettings.model_fields} - {"mooncake"})
+                )
                 problems.append(f"unknown field {field!r} (accepted: {accepted})")
             else:
                 problems.append(f"field {field!r}: {error['msg']}")

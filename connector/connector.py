@@ -96,15 +96,13 @@ class KVToolConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _open_store(self, role: KVConnectorRole) -> InstrumentedStore | None:
         # Only the worker lends memory to the store; the scheduler side only asks what exists.
-        config = (
-            self.config if role == KVConnectorRole.WORKER else self.config.model_copy(update={"global_segment_size": 0})
-        )
+        config = self.config if role == KVConnectorRole.WORKER else self.config.with_mooncake(global_segment_size=0)
         try:
             shared = open_store(config, shared=True)
         except StoreError as exc:
             logger.warning(
                 "kvtool: Mooncake store at %s is unavailable (%s); serving without the connector's help",
-                self.config.master_server_address,
+                self.config.mooncake.master_server_address,
                 exc,
             )
             return None

@@ -40,20 +40,20 @@ class MooncakeStore:
 
         # The client's setup holds the GIL while it retries an absent master for about 90 s, so
         # no Python-side time-out can cut it short: ask the master's port first.
-        _check_reachable(self._config.master_server_address, self._config.connect_timeout_s)
+        _check_reachable(self._config.mooncake.master_server_address, self._config.connect_timeout_s)
 
         client = MooncakeDistributedStore()
         code = client.setup(
-            self._config.local_hostname,
-            self._config.metadata_server,
-            self._config.global_segment_size,
-            self._config.local_buffer_size,
-            self._config.protocol,
-            self._config.device_name,
-            self._config.master_server_address,
+            self._config.mooncake.local_hostname,
+            self._config.mooncake.metadata_server,
+            self._config.mooncake.global_segment_size,
+            self._config.mooncake.local_buffer_size,
+            self._config.mooncake.protocol,
+            self._config.mooncake.device_name,
+            self._config.mooncake.master_server_address,
         )
         if code != 0:
-            raise StoreError(f"Mooncake setup returned {code} for master {self._config.master_server_address}")
+            raise StoreError(f"Mooncake setup returned {code} for master {self._config.mooncake.master_server_address}")
         return client
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
@@ -70,7 +70,9 @@ class MooncakeStore:
         if not keys:
             return []
         # The bytes API fails a batch larger than the client's transfer buffer: split it.
-        per_batch = max(1, (self._config.local_buffer_size // 2) // object_bytes) if object_bytes else len(keys)
+        per_batch = (
+            max(1, (self._config.mooncake.local_buffer_size // 2) // object_bytes) if object_bytes else len(keys)
+        )
         batches = [list(keys[i : i + per_batch]) for i in range(0, len(keys), per_batch)]
         values = [value for batch in batches for value in self._client.get_batch(batch)]
         if len(values) != len(keys):

@@ -130,10 +130,10 @@ class SharedStore:
     def __init__(self, config: KVToolConfig):
         self._id = (
             config.store_backend,
-            config.master_server_address,
-            config.metadata_server,
-            config.protocol,
-            config.global_segment_size,
+            config.mooncake.master_server_address,
+            config.mooncake.metadata_server,
+            config.mooncake.protocol,
+            config.mooncake.global_segment_size,
         )
         with _shared_lock:
             store, users = _shared.get(self._id, (None, 0))

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
 
+from connector.config import MOONCAKE_FIELDS
+
 KVTOOL_CONNECTOR_CLASS = "KVToolConnector"
 KVTOOL_CONNECTOR_MODULE = "connector.connector"
 VLLM_STORE_CONNECTOR_CLASS = "MooncakeStoreConnector"
@@ -63,17 +65,18 @@ class ConnectorProfile:
 
 
 def kvtool_extra_config(settings: TransferSettings) -> dict[str, Any]:
-    """The kvtool connector's kv_connector_extra_config (validated by connector.config)."""
+    """The kvtool connector's kv_connector_extra_config (validated by connector.config): the store's
+    settings in its ``mooncake`` section, kvtool's own at the top level."""
     assert settings.master_address is not None
-    extra: dict[str, Any] = {
+    store = {
         "master_server_address": settings.master_address,
         "metadata_server": "P2PHANDSHAKE",
         "protocol": "tcp",
         "local_hostname": "127.0.0.1",
         "global_segment_size": settings.segment_bytes,
         "local_buffer_size": settings.local_buffer_bytes,
-        "hash_unit": settings.hash_unit,
     }
+    extra: dict[str, Any] = {"mooncake": store, "hash_unit": settings.hash_unit}
     if settings.request_log is not None:
         extra["request_log"] = str(settings.request_log)
     if settings.save_answers:
@@ -82,7 +85,8 @@ def kvtool_extra_config(settings: TransferSettings) -> dict[str, Any]:
         extra["divergence_grid"] = settings.divergence_grid
     if settings.take_every_hit:
         extra["skip_unprofitable_loads"] = False
-    extra.update(settings.extra or {})
+    for name, value in (settings.extra or {}).items():  # a test's further fields, the store's in its section
+        (store if name in MOONCAKE_FIELDS else extra)[name] = value
     return extra
 
 

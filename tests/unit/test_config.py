@@ -7,7 +7,7 @@ from connector.config import ConfigError, load_config
 
 def test_defaults_and_a_minimal_config():
     config = load_config({"master_server_address": "127.0.0.1:50051"})
-    assert (config.hash_unit, config.protocol, config.metadata_server) == (1, "tcp", "P2PHANDSHAKE")
+    assert (config.hash_unit, config.mooncake.protocol, config.mooncake.metadata_server) == (1, "tcp", "P2PHANDSHAKE")
 
 
 @pytest.mark.parametrize(
@@ -39,9 +39,18 @@ def test_mooncake_fields_come_from_a_file_and_the_extra_config_wins(tmp_path, mo
     path = tmp_path / "mooncake.json"
     path.write_text(json.dumps({"master_server_address": "127.0.0.9:1", "global_segment_size": 1024, "other": 1}))
     config = load_config({"mooncake_config_path": str(path), "master_server_address": "127.0.0.1:2"})
-    assert (config.master_server_address, config.global_segment_size) == ("127.0.0.1:2", 1024)
+    assert (config.mooncake.master_server_address, config.mooncake.global_segment_size) == ("127.0.0.1:2", 1024)
 
 
 def test_an_unreadable_mooncake_file_is_a_clear_error(tmp_path):
     with pytest.raises(ConfigError, match="cannot read Mooncake config file"):
         load_config({"mooncake_config_path": str(tmp_path / "missing.json")})
+
+
+def test_the_store_settings_have_their_own_section_and_the_flat_fields_still_work():
+    nested = load_config({"mooncake": {"master_server_address": "127.0.0.1:3", "global_segment_size": 0}})
+    flat = load_config({"master_server_address": "127.0.0.1:3", "global_segment_size": 0})
+    assert nested == flat and nested.mooncake.global_segment_size == 0
+    assert nested.with_mooncake(global_segment_size=5).mooncake.global_segment_size == 5
+    with pytest.raises(ConfigError, match="given at the top level and in the mooncake section"):
+        load_config({"master_server_address": "127.0.0.1:3", "mooncake": {"master_server_address": "127.0.0.1:4"}})

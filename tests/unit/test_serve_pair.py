@@ -39,14 +39,16 @@ def flag_value(argv: list[str], flag: str) -> str:
     return argv[argv.index(flag) + 1]
 
 
-def test_kvtool_extra_config_is_flat_and_loopback():
+def test_kvtool_extra_config_has_the_stores_section_on_loopback():
     assert kvtool_extra_config("127.0.0.1:50051", hash_unit=4) == {
-        "master_server_address": "127.0.0.1:50051",
-        "metadata_server": "P2PHANDSHAKE",
-        "protocol": "tcp",
-        "local_hostname": "127.0.0.1",
-        "global_segment_size": 256 * MiB,
-        "local_buffer_size": 64 * MiB,
+        "mooncake": {
+            "master_server_address": "127.0.0.1:50051",
+            "metadata_server": "P2PHANDSHAKE",
+            "protocol": "tcp",
+            "local_hostname": "127.0.0.1",
+            "global_segment_size": 256 * MiB,
+            "local_buffer_size": 64 * MiB,
+        },
         "hash_unit": 4,
     }
 
@@ -55,7 +57,7 @@ def test_kvtool_extra_config_is_accepted_by_the_connector():
     config_module = pytest.importorskip("connector.config")
     loaded = config_module.load_config(kvtool_extra_config("127.0.0.1:50051", hash_unit=8, global_segment_size=0))
     assert loaded.hash_unit == 8
-    assert loaded.global_segment_size == 0
+    assert loaded.mooncake.global_segment_size == 0
 
 
 @pytest.mark.parametrize("role, kv_role", [("producer", "kv_producer"), ("consumer", "kv_consumer")])
@@ -150,7 +152,7 @@ def test_kv_load_failure_policy_exists_in_installed_vllm():
 def test_standalone_store_engines_lend_no_segment(tmp_path):
     cfg = make_config(tmp_path, store="standalone", store_port=7000)
     extra = kv_transfer_config(cfg, "producer")["kv_connector_extra_config"]
-    assert extra["global_segment_size"] == 0
+    assert extra["mooncake"]["global_segment_size"] == 0
     argv = store_argv(cfg, "mooncake_client")
     assert "--host=127.0.0.1" in argv and "--port=7000" in argv
     assert "--metadata_server=P2PHANDSHAKE" in argv
