@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -43,9 +44,31 @@ def test_a_fit_recovers_the_line_it_was_fed(intercept, slope, xs):
     fit = LinearFit()
     for x in xs:
         fit.add(x, intercept + slope * x)
+    if fit.fit() is None:
+        # Samples whose x hardly vary (weighted spread within a tenth of their mean, as the fit
+        # defines it) do not determine a slope: the line is their mean, flat.
+        assert fit.line() == (fit.mean()[1], 0.0)
+        return
     got_intercept, got_slope = fit.line()
     assert abs(got_slope - slope) <= 1e-6 * slope + 1e-12
     assert abs(got_intercept - intercept) <= 1e-6 + 1e-6 * intercept + slope * max(xs) * 1e-6
+
+
+@pytest.mark.parametrize("xs", [[1, 2], [100, 150, 400], [14075696, 28151392], list(range(1, 13))])
+def test_samples_that_vary_are_fitted(xs):
+    fit = LinearFit()
+    for x in xs:
+        fit.add(x, 0.5 + 2e-4 * x)
+    intercept, slope = fit.fit()
+    assert abs(slope - 2e-4) < 1e-10 and abs(intercept - 0.5) < 1e-6
+
+
+def test_the_case_hypothesis_found_is_flat_not_a_wrong_slope():
+    """Two samples 22% apart, the older one decayed: their weighted spread is right at the fit's floor."""
+    fit = LinearFit()
+    for x in (14075696, 17213695):
+        fit.add(x, 0.0002738852103605755 * x)
+    assert fit.fit() is None and fit.line() == (fit.mean()[1], 0.0)
 
 
 def test_every_hit_is_taken_until_the_model_has_seen_enough():
