@@ -58,7 +58,7 @@ class Fetched:
     payloads: tuple[memoryview, ...] = ()
     failure: LoadFailure | None = None
     seconds: float = 0.0  # the transfer, checks and copy, on the fetch thread
-    counts: dict[str, int] | None = None  # what was copied into the KV cache (``Loader._apply``)
+    counts: dict[str, int] | None = None  # what was copied into the KV cache (``_loaded_counts``)
 
 
 @dataclass
