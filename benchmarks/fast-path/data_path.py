@@ -26,7 +26,6 @@ MB/s per path, the median of ``--rounds`` rounds; ``save_vs_raw`` and ``load_vs_
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -48,6 +47,7 @@ from connector.prefix import PromptKeys, plan_save  # noqa: E402
 from connector.store import open_store  # noqa: E402
 from connector.worker import WorkerSide  # noqa: E402
 from kvtool.store.master import LocalMaster  # noqa: E402
+from published import git_head, write_result  # noqa: E402 - the sibling module
 
 LAYERS, HEADS, DIM, BLOCK = 32, 8, 128, 16
 NS = Namespace(model="bench", dtype="bfloat16", kv_layout="bench", block_size=BLOCK, num_layers=LAYERS,
@@ -241,12 +241,9 @@ def main() -> None:
         "layout": {"layers": LAYERS, "kv_heads": HEADS, "head_size": DIM, "block": BLOCK, "dtype": "bfloat16"},
         "transport": "Mooncake TCP over loopback, the segment in a second process",
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
-        "head": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        "head": git_head(),
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    write_result(result, args.out)
 
 
 if __name__ == "__main__":

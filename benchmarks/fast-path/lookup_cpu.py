@@ -13,10 +13,8 @@ stored (a miss), and a shorter prompt stored (half the blocks and a tail: the lo
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import random
-import subprocess
 import time
 from pathlib import Path
 
@@ -25,6 +23,7 @@ from connector.hashing import RequestIdentity
 from connector import search as search_module
 from connector.prefix import PromptKeys, plan_save
 from connector.search import find_stored_prefixes
+from published import git_head, write_result  # noqa: E402 - the sibling module
 
 LENGTHS = (1024, 8192, 32768)
 SETTINGS = ({"block_size": 256, "hash_unit": 1}, {"block_size": 32, "hash_unit": 1})
@@ -97,7 +96,7 @@ def main() -> None:
                 f"{name} {length:>6} tokens: worst indexed {worst['indexed']:8.2f} ms, walk {worst['walk']:8.2f} ms",
                 flush=True,
             )
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = git_head()
     out = {
         "what": "CPU ms of one lookup (keys + longest stored prefix), best of 3, exists answered from memory",
         "commit": commit,
@@ -111,8 +110,7 @@ def main() -> None:
             str(n): max(r["total_ms"] for r in results["block256_unit1"][str(n)]["walk"].values()) for n in LENGTHS
         },
     }
-    if args.out:
-        args.out.write_text(json.dumps(out, indent=2) + "\n")
+    write_result(out, args.out, echo=False)
 
 
 if __name__ == "__main__":

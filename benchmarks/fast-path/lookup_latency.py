@@ -12,11 +12,9 @@ read), half is unseen. Wall ms per batch, p50 and p99 over ``--batches`` batches
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
@@ -30,6 +28,7 @@ from connector.prefix import PromptKeys, plan_save  # noqa: E402
 from connector.search import find_stored_prefixes  # noqa: E402
 from connector.store import open_store  # noqa: E402
 from kvtool.store.master import LocalMaster  # noqa: E402
+from published import git_head, write_result  # noqa: E402 - the sibling module
 
 LEVELS = (1, 16, 64)
 PROMPT = 1024
@@ -102,7 +101,7 @@ def main() -> None:
         store.close()
     finally:
         master.stop()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = git_head()
     out = {
         "what": "wall ms of one step's lookup batch of N new 1k-token requests against a real master",
         "commit": commit,
@@ -113,8 +112,7 @@ def main() -> None:
         "lookup_ms_by_batch": results,
         "lookup_p99_ms": {level: row["p99_ms"] for level, row in results.items()},
     }
-    if args.out:
-        args.out.write_text(json.dumps(out, indent=2) + "\n")
+    write_result(out, args.out, echo=False)
 
 
 if __name__ == "__main__":

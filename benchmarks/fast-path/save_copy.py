@@ -12,8 +12,6 @@ format 3); the sealing it moved to the put thread (XXH3-64 and the header) is ti
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import time
 import zlib
 from pathlib import Path
@@ -25,6 +23,7 @@ from connector.keys import KeyKind, Namespace
 from connector.objects import HEADER_SIZE, ObjectHeader, encode_header, seal_object
 from connector.staging import StagingArea
 from connector.worker import WorkerSide
+from published import git_head, write_result  # noqa: E402 - the sibling module
 
 LAYERS, HEADS, DIM, BLOCK = 32, 8, 128, 32
 
@@ -84,7 +83,7 @@ def main() -> None:
     total = blocks * (HEADER_SIZE + group_bytes)
     for row in results.values():
         row["engine_step_gb_per_s"] = round(total / row["engine_step_s"] / 1e9, 2)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = git_head()
     out = {
         "what": "engine-step time of one save's block copies, before (tobytes+join+encode+CRC) vs after (one "
         "memmove per layer row into the save area)",
@@ -95,9 +94,7 @@ def main() -> None:
         "results": results,
         "engine_step_speedup": round(results["before"]["engine_step_s"] / results["after"]["engine_step_s"], 2),
     }
-    print(json.dumps(out, indent=2))
-    if args.out:
-        args.out.write_text(json.dumps(out, indent=2) + "\n")
+    write_result(out, args.out)
 
 
 if __name__ == "__main__":

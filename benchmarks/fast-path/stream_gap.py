@@ -32,6 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 os.environ.update({"MC_TCP_BIND_ADDRESS": "127.0.0.1", "VLLM_HOST_IP": "127.0.0.1"})
+from published import git_head, write_result  # noqa: E402 - the sibling module
 
 CONNECTORS = ("none", "kvtool")
 
@@ -159,13 +160,9 @@ def main() -> None:
         "kvtool": "kv_producer, block 32, hash unit 1, embedded store (the engine lends "
                   f"{args.segment_mib} MiB), loopback master",
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
-        "head": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                               cwd=REPO).stdout.strip(),
+        "head": git_head(),
     }  # fmt: skip
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    write_result(result, args.out)
 
 
 if __name__ == "__main__":
