@@ -4,7 +4,7 @@ each connector's pair (a running one, or one launched per connector); kvtool/com
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,8 @@ from kvtool.pair.smoke import model_vocab_size
 
 from .config import CONNECTORS, BenchConfig, build_workload
 from .oracle import ideal_hits
-from .report import bench_document, connector_report
+from .report import connector_report
+from .results import BenchDocument, ConnectorReport
 from .runner import PairRunner, WorkloadRun, check_reachable
 from .workloads.base import Step, WorkloadShape, longest_prompts, prompts_known
 
@@ -107,16 +108,18 @@ def launch_config(cfg: ServePairConfig, connector: str, compare: bool = False) -
 
 @dataclass
 class BenchOutcome:
-    """What a bench run produced: one report per connector that ran, the JSON document, and failures."""
+    """What a bench run produced: the document (one report per connector that ran) and failures."""
 
-    reports: dict[str, dict[str, Any]]
-    document: dict[str, Any]
-    failures: dict[str, str] = field(default_factory=dict)  # connector -> why its run failed (with --compare)
+    document: BenchDocument
+
+    @property
+    def reports(self) -> dict[str, ConnectorReport]:
+        return self.document.reports
 
     def failure_error(self) -> UserError | None:
-        if not self.failures:
+        if not self.document.failures:
             return None
-        message = "; ".join(f"{connector} failed: {why}" for connector, why in self.failures.items())
+        message = "; ".join(f"{connector} failed: {why}" for connector, why in self.document.failures.items())
         return UserError(message, exit_code=1)
 
 
@@ -149,7 +152,7 @@ def run_bench(
         planned = plan_workloads(
             config, launch.effective_block_size, launch.hash_unit, model_vocab_size(launch.model), launch.max_model_len
         )
-        reports = {}
+        reports: dict[str, ConnectorReport] = {}
         # One pair at a time: each is stopped before the next starts (they share ports and cores).
         for connector in connectors:
             one = launch_config(launch, connector, compare=bool(compare))
@@ -167,9 +170,5 @@ def run_bench(
         # The kvtool connector's pointer grid as the engines resolved it (divergence_grid None: auto).
         pair_config = {**launch.model_dump(mode="json"), "effective_divergence_grid": launch.effective_divergence_grid}
 
-    document = bench_document(
-        {**config.model_dump(mode="json"), "command": sys.argv}, pair_config, reports, compare=bool(compare)
-    )
-    if failures:
-        document["failures"] = failures
-    return BenchOutcome(reports, document, failures)
+    config_json = {**config.model_dump(mode="json"), "command": sys.argv}
+    return BenchOutcome(BenchDocument(config_json, pair_config, reports, bool(compare), failures))

@@ -79,7 +79,7 @@ def bench_command(
     launch_cfg = pair_options.config(report=output.say) if launch else None
 
     outcome = run_bench(config, output.say, ready_file, launch_cfg, compared, output.progress_console)
-    emit(bench_report(outcome.reports, outcome.document, compare=bool(compared)), output)
+    emit(bench_report(outcome.document), output)
     if plot is not None:
         from kvtool.bench.plot import write_plot
 

@@ -24,7 +24,8 @@ from kvtool.bench.oracle import (
     on_reuse_grid,
     run_ideals,
 )
-from kvtool.bench.report import bench_document, bench_report, connector_report
+from kvtool.bench.report import bench_report, connector_report
+from kvtool.bench.results import BenchDocument
 from kvtool.pair.ready import ReadyFile
 from kvtool.bench.runner import (
     ConsumerResult,
@@ -378,28 +379,31 @@ def chat_run() -> WorkloadRun:
 
 def test_the_report_shows_each_engine_and_both():
     report = connector_report([chat_run()], block_size=16)
-    chat = report["workloads"]["chat"]
-    assert (chat["requests"], chat["ideal_tokens"], chat["hit_tokens"]) == (4, 175, 128)
-    producer, consumer = chat["engines"]["producer"], chat["engines"]["consumer"]
-    assert producer["efficiency"] == pytest.approx(32 / 47) and consumer["efficiency"] == pytest.approx(96 / 128)
-    assert chat["ttft_ms_p50"] == consumer["ttft_ms_p50"] == 12.0  # TTFT is the consumer's
-    assert producer["ttft_ms_p50"] == 11.0 and producer["verified"] == 0
-    assert report["summary"]["engines"]["producer"]["requests"] == 2
-    assert [r["engine"] for r in report["requests"]] == ["producer", "consumer", "producer", "consumer"]
-    json.dumps(bench_document({"seed": 0}, {}, {"kvtool": report}, compare=False))
+    chat = report.workloads["chat"]
+    assert (chat.requests, chat.ideal_tokens, chat.hit_tokens) == (4, 175, 128)
+    producer, consumer = chat.engines["producer"], chat.engines["consumer"]
+    assert producer.efficiency == pytest.approx(32 / 47) and consumer.efficiency == pytest.approx(96 / 128)
+    assert chat.ttft_ms_p50 == consumer.ttft_ms_p50 == 12.0  # TTFT is the consumer's
+    assert producer.ttft_ms_p50 == 11.0 and producer.verified == 0
+    assert report.summary.engines["producer"].requests == 2
+    assert [r.engine for r in report.requests] == ["producer", "consumer", "producer", "consumer"]
+    document = json.loads(json.dumps(BenchDocument({"seed": 0}, {}, {"kvtool": report}, compare=False).to_json()))
+    assert document["summary"]["engines"]["producer"]["requests"] == 2
+    assert [r["engine"] for r in document["requests"]] == ["producer", "consumer", "producer", "consumer"]
 
 
 def test_a_workload_measured_on_the_consumer_only_has_no_engine_split():
     run = WorkloadRun("sub-block", [measured(1, "consumer", 20, 19, 0)])
     report = connector_report([run], block_size=16)
-    assert "engines" not in report["summary"] and "engines" not in report["workloads"]["sub-block"]
+    assert not report.summary.engines and not report.workloads["sub-block"].engines
+    assert "engines" not in report.to_json()["summary"] and "engines" not in report.to_json()["workloads"]["sub-block"]
 
 
 def test_chat_tables_fit_80_columns():
     static = WorkloadRun("sub-block", [measured(1, "consumer", 20, 19, 0)])
     report = connector_report([static, chat_run()], block_size=16)
-    text = rendered(bench_report({"kvtool": report}, {}, compare=False), 80)
+    text = rendered(bench_report(BenchDocument({"seed": 0}, {}, {"kvtool": report}, compare=False)), 80)
     assert_fits(text, ("chat", "chat (producer)", "chat (consumer)", "all (producer)", "not verified"))
     reports = {name: report for name in ("kvtool", "vllm-mooncake-store", "none")}
-    text = rendered(bench_report(reports, {}, compare=True), 80)
+    text = rendered(bench_report(BenchDocument({"seed": 0}, {}, reports, compare=True)), 80)
     assert_fits(text, ("chat (producer)", "chat (consumer)", "68.1% / 11.0", "75.0% / 12.0"))

@@ -10,7 +10,8 @@ from typer.testing import CliRunner
 
 from connector.hits import HitDetails
 from kvtool.bench.command import parse_compare
-from kvtool.bench.report import bench_document, bucket_label, connector_report, percentile, summarize
+from kvtool.bench.report import bucket_label, connector_report, percentile, summarize
+from kvtool.bench.results import BenchDocument
 from kvtool.bench.runner import (
     ConsumerResult,
     ProducerResult,
@@ -67,7 +68,7 @@ def test_bucket_labels_follow_blocks():
 def test_summary_counts_tokens_rates_and_mismatches():
     results = [consumer(hit=30), consumer(prompt=100, ideal=90, hit=64, block=64, tail=0, ttft=30.0, matched=False)]
     run = WorkloadRun("w", results, [ProducerResult("w", 0, 40, 5.0, 2)], [1.0, 3.0], 0)
-    summary = summarize(results, [run])
+    summary = summarize(results, [run]).to_json()
     assert SUMMARY_FIELDS <= set(summary)
     assert (summary["prompt_tokens"], summary["ideal_tokens"], summary["hit_tokens"]) == (140, 120, 94)
     assert (summary["block_hit_tokens"], summary["tail_hit_tokens"]) == (64, 30)
@@ -75,20 +76,20 @@ def test_summary_counts_tokens_rates_and_mismatches():
     assert summary["efficiency"] == pytest.approx(94 / 120)
     assert summary["ttft_ms_p50"] == 20.0 and summary["mismatches"] == 1
     assert summary["producer_ms_p50"] == 5.0 and summary["durability_wait_ms_p50"] == 2.0
-    assert summarize([])["efficiency"] is None
+    assert summarize([]).efficiency is None
 
 
 def test_json_document_has_summary_config_seed_and_lists_mismatches():
     run = WorkloadRun("w", [consumer(), consumer(matched=False, step=3)])
     report = connector_report([run], block_size=32)
-    document = bench_document({"seed": 5, "requests": 2}, {"model": "m"}, {"kvtool": report}, compare=False)
+    document = BenchDocument({"seed": 5, "requests": 2}, {"model": "m"}, {"kvtool": report}, compare=False).to_json()
     assert document["seed"] == 5 and document["config"]["requests"] == 2
     assert SUMMARY_FIELDS <= set(document["summary"])
     assert document["mismatches"] == [{"workload": "w", "step": 3, "prompt_tokens": 40, "reason": ""}]
     assert set(document["workloads"]) == {"w"} and "32-63" in document["buckets"]
     json.dumps(document)
 
-    compared = bench_document({"seed": 5}, {}, {"kvtool": report, "none": report}, compare=True)
+    compared = BenchDocument({"seed": 5}, {}, {"kvtool": report, "none": report}, compare=True).to_json()
     assert set(compared["connectors"]) == {"kvtool", "none"}
     assert SUMMARY_FIELDS <= set(compared["connectors"]["none"]["summary"])
 

@@ -21,10 +21,10 @@ from kvtool.bench.command import BenchOutcome
 from kvtool.bench.report import (
     COMPARISON_COLUMNS,
     SUMMARY_COLUMNS,
-    bench_document,
     bench_report,
     connector_report,
 )
+from kvtool.bench.results import BenchDocument, ConnectorReport
 from kvtool.bench.runner import ProducerResult, WorkloadRun
 from kvtool.cli import app
 from kvtool.errors import EXIT_CODES
@@ -39,7 +39,7 @@ NS = Namespace(model="m", dtype="float32", kv_layout="cpu", block_size=32, num_l
 WORKLOADS = ("sub-block", "cross-block", "shared-prefix", "multi-turn", "max-tokens-1", "prefix-repetition")
 
 
-def fake_reports(workloads=("sub-block", "cross-block"), connectors=("kvtool",)) -> dict[str, dict]:
+def fake_reports(workloads=("sub-block", "cross-block"), connectors=("kvtool",)) -> dict[str, ConnectorReport]:
     runs = [
         WorkloadRun(
             name,
@@ -53,8 +53,11 @@ def fake_reports(workloads=("sub-block", "cross-block"), connectors=("kvtool",))
 
 def fake_outcome(compare=False) -> BenchOutcome:
     reports = fake_reports(connectors=("kvtool", "vllm-mooncake-store", "none") if compare else ("kvtool",))
-    document = bench_document({"seed": 0, "workloads": ["sub-block"]}, {"model": "m"}, reports, compare=compare)
-    return BenchOutcome(reports, document)
+    return BenchOutcome(BenchDocument({"seed": 0, "workloads": ["sub-block"]}, {"model": "m"}, reports, compare))
+
+
+def doc(reports, compare: bool) -> BenchDocument:
+    return BenchDocument({"seed": 0}, {}, reports, compare)
 
 
 def rendered(report: Report, width: int) -> str:
@@ -76,20 +79,20 @@ def assert_fits(text: str, headers, width: int = 80) -> None:
 @pytest.mark.parametrize("workloads", [("sub-block", "cross-block"), WORKLOADS + ("trace:mooncake_trace.jsonl",)])
 def test_bench_tables_fit_80_columns_with_every_header(workloads):
     reports = fake_reports(workloads)
-    text = rendered(bench_report(reports, {}, compare=False), 80)
+    text = rendered(bench_report(doc(reports, False)), 80)
     assert_fits(text, ("workload", "prompt tokens", *SUMMARY_COLUMNS, *workloads, "all", "0-31", "256-511"))
     assert "mismatch sub-block step 1 (300 tokens)" in text
 
 
 def test_bench_comparison_tables_fit_80_columns_with_every_header():
     reports = fake_reports(connectors=("kvtool", "vllm-mooncake-store", "none"))
-    text = rendered(bench_report(reports, {}, compare=True), 80)
+    text = rendered(bench_report(doc(reports, True)), 80)
     assert_fits(text, ("connector", *COMPARISON_COLUMNS, "kvtool", "vllm-mooncake-store", "none", "cross-block"))
     assert "mismatch (vllm-mooncake-store) cross-block" in text
 
 
 def test_a_wide_console_shows_the_bench_table_whole():
-    text = rendered(bench_report(fake_reports(), {}, compare=False), 200)
+    text = rendered(bench_report(doc(fake_reports(), False)), 200)
     header_line = next(line for line in text.splitlines() if "requests" in line)
     assert all(header in header_line for header in ("workload", *SUMMARY_COLUMNS))
     assert "…" not in text

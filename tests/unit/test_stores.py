@@ -53,6 +53,7 @@ def test_lmcache_ports_must_differ(tmp_path, monkeypatch):
 
 def test_the_store_memory_each_engine_lends_reaches_the_connectors(tmp_path):
     cfg = ServePairConfig(model=tmp_path, log_dir=tmp_path, segment_bytes=64 << 20)
-    assert kv_transfer_config(cfg, "producer")["kv_connector_extra_config"]["mooncake"]["global_segment_size"] == 64 << 20
+    extra = kv_transfer_config(cfg, "producer")["kv_connector_extra_config"]
+    assert extra["mooncake"]["global_segment_size"] == 64 << 20
     with pytest.raises(ValueError):
         ServePairConfig(model=tmp_path, log_dir=tmp_path, segment_bytes=0)
