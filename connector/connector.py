@@ -73,6 +73,7 @@ class KVToolConnector(KVConnectorBase_V1, SupportsHMA):
         except UnsupportedLayout as exc:
             logger.warning("kvtool: connector disabled, %s; the engine serves without it", exc)
         self.namespace = self.layout.namespace if self.layout is not None else None
+        self._breaker = CircuitBreaker(_breaker_policy(self.config))  # the store's health, which both sides consult
         self._store = self._open_store(role) if self.layout is not None else None
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
@@ -88,10 +89,15 @@ class KVToolConnector(KVConnectorBase_V1, SupportsHMA):
                 groups=self.layout.groups if self.layout is not None else None,
                 block_bytes=self.layout.block_bytes if self.layout is not None else (),
                 token_bytes=self.layout.token_bytes if self.layout is not None else (),
+                breaker=self._breaker,
             )
         else:
             self._worker = WorkerSide(
-                namespace, self._store, self.config, saves_enabled=saves_enabled or answers_enabled
+                namespace,
+                self._store,
+                self.config,
+                saves_enabled=saves_enabled or answers_enabled,
+                breaker=self._breaker,
             )
 
     def _open_store(self, role: KVConnectorRole) -> InstrumentedStore | None:
@@ -108,7 +114,7 @@ class KVToolConnector(KVConnectorBase_V1, SupportsHMA):
             return None
         side = "worker" if role == KVConnectorRole.WORKER else "scheduler"
         # Counted outside the breaker: a call's time is what its caller waited, skips included.
-        return InstrumentedStore(GuardedStore(shared, CircuitBreaker(_breaker_policy(self.config)), side))
+        return InstrumentedStore(GuardedStore(shared, self._breaker, side))
 
     # ---- scheduler side ---------------------------------------------------------------------------
 

@@ -29,10 +29,6 @@ class InstrumentedStore:
         self._clock = clock
         self.stats = Counters()
 
-    @property
-    def breaker(self):  # the wrapped store's breaker (the worker skips saves while it is open)
-        return getattr(self._store, "breaker", None)
-
     def _timed(self, call: str, items: int, fn: Callable[[], T]) -> T:
         started = self._clock()
         try:

@@ -13,6 +13,7 @@ from .data import BlockTransfer, KVToolMetadata, RequestLoad, RequestSave, Store
 from .groups import NULL_BLOCK_ID, CacheGroup, GroupKind
 from .keys import KeyKind, Namespace
 from .answers import plan_answer_save
+from .breaker import CircuitBreaker
 from .calls import BoundedCalls
 from .lookups import POINTER_READ_SHARE, LookupBatcher, Outcome, pointer_reader
 from .prefix import ObjectRef, plan_load, plan_save, single_group
@@ -52,8 +53,10 @@ class SchedulerSide:
         groups: tuple[CacheGroup, ...] | None = None,
         block_bytes: tuple[int, ...] = (),
         token_bytes: tuple[int, ...] = (),
+        breaker: CircuitBreaker | None = None,
     ):
         self._config = config
+        self._breaker = breaker  # open: the store is failing, no step waits for a lookup
         self._namespace = namespace.key_component()
         self._block_size = namespace.block_size
         self._groups = groups or single_group(namespace.block_size)
@@ -178,11 +181,10 @@ class SchedulerSide:
         """Wait for a lookup within what is left of this step's budget (``SYNC_LOOKUP_BUDGET_S``): on a
         healthy store it answers in about a millisecond, and the request is scheduled in this step
         instead of the next. Never while the breaker is open: a failing store costs no time."""
-        breaker = getattr(self._store, "breaker", None)
         if time.monotonic() - self._last_build_s > IDLE_AFTER_S:
             self._step_wait_left = max(self._step_wait_left, IDLE_LOOKUP_BUDGET_S)
             self._last_build_s = time.monotonic()  # once per idle spell
-        if self._lookups is None or self._step_wait_left <= 0 or (breaker is not None and breaker.is_open):
+        if self._lookups is None or self._step_wait_left <= 0 or (self._breaker is not None and self._breaker.is_open):
             return None
         self._step_wait_left -= self._lookups.settle(self._step_wait_left)
         return self._lookups.poll(req_id)

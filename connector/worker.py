@@ -20,6 +20,7 @@ from functools import partial
 import torch
 
 from .blockcopy import BlockRows
+from .breaker import CircuitBreaker
 from .calls import BoundedCalls
 from .counters import Counters, WarnOnce
 from .config import KVToolConfig
@@ -50,8 +51,10 @@ class WorkerSide:
         *,
         saves_enabled: bool,
         load_calls: BoundedCalls | None = None,
+        breaker: CircuitBreaker | None = None,
     ):
         self._namespace = namespace
+        self._breaker = breaker  # open: the store is failing, saves are not copied
         self._ns_key = namespace.key_component()
         self._fingerprint = namespace.fingerprint()
         self._store = store
@@ -316,8 +319,7 @@ class WorkerSide:
     def _snapshot(self, save: RequestSave) -> None:
         """Copy the save's blocks (as many leading ones as have slots) and queue their puts."""
         assert self._saver is not None
-        breaker = getattr(self._store, "breaker", None)
-        if breaker is not None and breaker.is_open:
+        if self._breaker is not None and self._breaker.is_open:
             self.stats.add("saves_skipped_breaker")  # no copy made: the store is failing
             return
         lease = self._saver.admit(len(save.transfers))

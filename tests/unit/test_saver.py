@@ -151,8 +151,7 @@ def test_an_open_breaker_skips_saves_without_copying():
         is_open = True
 
     store = ScriptedStore()
-    store.breaker = Open()
-    side = WorkerSide(NS, store, config(), saves_enabled=True)
+    side = WorkerSide(NS, store, config(), saves_enabled=True, breaker=Open())
     side.register_kv_caches(kv_caches("random"), [LAYERS], NUM_BLOCKS)
     side.wait_for_save(KVToolMetadata(saves=[prompt_save("a", 0, 85, [1, 2, 3])]))
     assert side._saver.held_bytes == 0
