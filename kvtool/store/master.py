@@ -1,84 +1,77 @@
 """A loopback ``mooncake_master`` on free ports, started and stopped by its pid.
 
 What the tests and the benchmarks run (serve-pair starts its master through ``kvtool.pair.launch``,
-supervised, on the ports it is configured with). Everything binds 127.0.0.1.
+supervised, on the ports it is configured with). Started, waited for and stopped as every process
+kvtool starts is (``kvtool.pair.procs``). Everything binds 127.0.0.1.
 """
 
 from __future__ import annotations
 
+import shutil
 import subprocess
-import time
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-import httpx
-
-from kvtool.errors import ServerError
-from kvtool.pair.procs import LOOPBACK, find_free_port
+from kvtool.pair.procs import LOOPBACK, ManagedProcess, ProcessSet, ReadinessCheck, find_free_port
 from kvtool.store.mooncake import find_binary, master_argv, mooncake_env
 
 
 class LocalMaster:
-    """One master process: ``start`` it (or use it as a context manager), then ``stop`` it."""
+    """One master process: ``start`` it (or use it as a context manager), then ``stop`` it.
+
+    Its log goes to ``log_path`` (a ``.log`` file), or to a temporary directory removed on ``stop``."""
 
     def __init__(self, log_path: Path | None = None, flags: Sequence[str] = ()):
         self.rpc_port, self.admin_port = find_free_port(), find_free_port()
         self.address = f"{LOOPBACK}:{self.rpc_port}"  # what store clients connect to
         self.admin = f"http://{LOOPBACK}:{self.admin_port}"  # its HTTP admin and metrics
-        self.log_path = log_path
+        self._log_path = log_path
         self._flags = tuple(flags)
-        self.process: subprocess.Popen[bytes] | None = None
+        self._temp_dir: Path | None = None
+        self._procs: ProcessSet | None = None
+        self._master: ManagedProcess | None = None
 
     def start(self, timeout_s: float = 30.0) -> LocalMaster:
+        if self._log_path is None:
+            self._temp_dir = Path(tempfile.mkdtemp(prefix="kvtool-master-"))
+            log_dir, name = self._temp_dir, "master"
+        else:
+            log_dir, name = self._log_path.parent, self._log_path.name.removesuffix(".log")
+        self._procs = ProcessSet(log_dir)
         argv = [*master_argv(self.rpc_port, self.admin_port, find_binary("mooncake_master")), *self._flags]
-        log = open(self.log_path, "ab") if self.log_path is not None else subprocess.DEVNULL  # noqa: SIM115
+        self._master = self._procs.start(
+            name, argv, env=mooncake_env(), readiness=ReadinessCheck(f"{self.admin}/health")
+        )
         try:
-            self.process = subprocess.Popen(
-                argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=mooncake_env()
-            )
-        finally:
-            if log is not subprocess.DEVNULL:
-                log.close()
-        self._wait_healthy(timeout_s)
+            self._procs.wait_ready([self._master], timeout_s, poll_s=0.1)  # a ServerError naming its log
+        except BaseException:
+            self.stop()
+            raise
         return self
 
-    def _wait_healthy(self, timeout_s: float) -> None:
-        assert self.process is not None
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise ServerError(f"mooncake_master exited with code {self.process.returncode}{self._log_tail()}")
-            try:
-                if httpx.get(f"{self.admin}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        self.stop()
-        raise ServerError(f"mooncake_master was not healthy within {timeout_s:.0f} s{self._log_tail()}")
+    @property
+    def log_path(self) -> Path | None:
+        return self._master.log_path if self._master is not None else self._log_path
 
-    def _log_tail(self) -> str:
-        if self.log_path is None or not self.log_path.exists():
-            return ""
-        return f": {self.log_path.read_text(errors='replace')[-2000:]}"
-
-    def stop(self) -> None:
-        process, self.process = self.process, None
-        if process is None or process.poll() is not None:
-            return
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    @property
+    def process(self) -> subprocess.Popen | None:
+        return self._master.popen if self._master is not None else None
 
     @property
     def pid(self) -> int | None:
-        return self.process.pid if self.process is not None else None
+        return self._master.pid if self._master is not None else None
+
+    def stop(self) -> None:
+        procs, self._procs, self._master = self._procs, None, None
+        if procs is not None:
+            procs.stop_all(grace_s=10.0)
+        if self._temp_dir is not None:
+            shutil.rmtree(self._temp_dir, ignore_errors=True)
+            self._temp_dir = None
 
     def __enter__(self) -> LocalMaster:
-        return self if self.process is not None else self.start()
+        return self if self._master is not None else self.start()
 
     def __exit__(self, *_exc: object) -> None:
         self.stop()
