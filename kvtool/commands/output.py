@@ -55,7 +55,7 @@ def emit(report: Report, options: OutputOptions) -> None:
     elif not options.quiet:
         report.render(out)
     if options.output is not None:
-        from kvtool.pair.config import write_json_atomically
+        from kvtool.files import write_json_atomically
 
         write_json_atomically(options.output, json.loads(report.json_text()))
         options.say(f"wrote {options.output}")

@@ -8,26 +8,17 @@ while an engine that dies still stops everything.
 from __future__ import annotations
 
 import signal
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from pathlib import Path
 
 from kvtool.errors import EXIT_INTERRUPTED, ServerError
-from kvtool.pair.ready import ReadyFile
+from kvtool.files import write_json_atomically
+from kvtool.pair.config import REPO_ROOT, Reporter, ServePairConfig
+from kvtool.pair.engines import engine_argv, engine_env
+from kvtool.pair.preflight import preflight
 from kvtool.pair.procs import LOOPBACK, ProcessDied, ProcessSet, ReadinessCheck
-from kvtool.pair.config import (
-    REPO_ROOT,
-    Reporter,
-    ServePairConfig,
-    admin_url_for,
-    engine_argv,
-    engine_env,
-    preflight,
-    ready_info,
-    write_json_atomically,
-)
+from kvtool.pair.ready import ReadyFile, ReadyFileWriter, admin_url_for, ready_info
 from kvtool.store.mooncake import (
     find_binary,
     lmcache_argv,
@@ -120,39 +111,6 @@ def start_engines(cfg: ServePairConfig, procs: ProcessSet, say: Reporter) -> Non
     began = time.monotonic()
     procs.wait_ready(engines, timeout_s=cfg.startup_timeout_s)
     say(f"all healthy after {time.monotonic() - began:.0f} s")
-
-
-class ReadyFileWriter:
-    """Writes the ready file (``kvtool.pair.ready.ReadyFile``) once the pair is healthy, rewrites it
-    (atomically) after every restart, removes it when the pair stops."""
-
-    def __init__(self, path: Path | None) -> None:
-        self.path = path
-        self._lock = threading.Lock()
-        self._build: Callable[[], ReadyFile] | None = None
-
-    def publish(self, build: Callable[[], ReadyFile]) -> ReadyFile:
-        with self._lock:
-            self._build = build
-            return self._write()
-
-    def refresh(self) -> None:
-        with self._lock:
-            if self._build is not None:  # before publish() the first write will hold the news
-                self._write()
-
-    def remove(self) -> None:
-        with self._lock:
-            self._build = None
-            if self.path is not None:
-                self.path.unlink(missing_ok=True)
-
-    def _write(self) -> ReadyFile:
-        assert self._build is not None
-        info = self._build()
-        if self.path is not None:
-            write_json_atomically(self.path, info.to_json())
-        return info
 
 
 @contextmanager

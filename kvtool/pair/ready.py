@@ -1,19 +1,26 @@
 """The ready file: the one contract between `kvtool serve-pair` and whoever uses its pair.
 
-serve-pair writes it (atomically) once every process is healthy, rewrites it when a supervised
-process gets a new pid, and removes it on exit. `kvtool bench --pair`, `kvtool inspect --pair`, the
-benchmarks and the tests read it with ``read_ready_file``.
+serve-pair writes it (atomically, ``ReadyFileWriter``; its content from ``ready_info``) once every
+process is healthy, rewrites it when a supervised process gets a new pid, and removes it on exit.
+`kvtool bench --pair`, `kvtool inspect --pair`, the benchmarks and the tests read it with
+``read_ready_file``: one typed ``ReadyFile`` from the writer to every reader.
 """
 
 from __future__ import annotations
 
 import json
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from kvtool.errors import UserError
+from kvtool.files import write_json_atomically
+from kvtool.pair.config import LOOPBACK, RolesChoice, ServePairConfig, StoreChoice, parse_host_port
+from kvtool.pair.engines import request_log_path
+from kvtool.pair.profiles import ConnectorChoice
 
 
 class ReadyFile(BaseModel):
@@ -26,12 +33,12 @@ class ReadyFile(BaseModel):
     hash_unit: int
     divergence_grid: int | None = None  # the kvtool connector's pointer grid in tokens (0: none)
     max_model_len: int
-    connector: str  # kvtool, vllm-mooncake-store, lmcache or none
-    roles: str | None = None  # pd or both; None without a connector
+    connector: ConnectorChoice
+    roles: RolesChoice | None = None  # None without a connector
     master: str | None = None  # the master's RPC host:port
     admin: str | None = None  # the master's admin URL (its --metrics_port)
     master_pid: int | None = None  # the master running now; None for one serve-pair does not run
-    store: str | None = None  # embedded or standalone
+    store: StoreChoice | None = None  # None without a Mooncake store
     store_address: str | None = None
     log_dir: str | None = None
     request_logs: dict[str, str] | None = None  # role -> the kvtool connector's per-request hit log
@@ -64,3 +71,78 @@ def read_ready_file(path: Path) -> ReadyFile:
     except ValueError:
         raise UserError(f"{path} is not JSON; pass the file kvtool serve-pair --ready-file writes") from None
     return parse_ready_file(content, str(path))
+
+
+# ---- writing ---------------------------------------------------------------------------------
+
+
+def admin_url_for(cfg: ServePairConfig) -> str | None:
+    """The master's admin URL: the one kvtool starts, or with --master that host at --admin-port."""
+    if not cfg.uses_mooncake:
+        return None
+    if cfg.external_master is not None:
+        host, _ = parse_host_port(cfg.external_master, "--master")
+        return f"http://{host}:{cfg.admin_port}"
+    return f"http://{LOOPBACK}:{cfg.admin_port}"
+
+
+def ready_info(
+    cfg: ServePairConfig, pids: dict[str, int], admin_url: str | None, restarts: dict[str, int] | None = None
+) -> ReadyFile:
+    """What the ready file holds (kvtool/pair/ready.py); rewritten whenever a supervised process gets a
+    new pid."""
+    return ReadyFile(
+        producer=cfg.base_url("producer"),
+        consumer=cfg.base_url("consumer"),
+        master=cfg.master_address,
+        admin=admin_url,
+        master_pid=pids.get("master"),  # None when --master names a master kvtool does not run
+        model=str(cfg.model),
+        block_size=cfg.effective_block_size,
+        hash_unit=cfg.hash_unit,
+        divergence_grid=cfg.effective_divergence_grid if cfg.profile.has_divergence_grid else None,
+        max_model_len=cfg.max_model_len,
+        connector=cfg.connector,
+        roles=cfg.roles if cfg.uses_mooncake else None,
+        store=cfg.store if cfg.uses_mooncake else None,
+        store_address=f"{LOOPBACK}:{cfg.store_port}" if cfg.starts_store else None,
+        log_dir=str(cfg.log_dir),
+        request_logs={role: str(request_log_path(cfg, role)) for role in ("producer", "consumer")}
+        if cfg.profile.hits_from == "request_log"
+        else None,
+        pids=pids,
+        restarts=restarts or {},
+    )
+
+
+class ReadyFileWriter:
+    """Writes the ready file (``kvtool.pair.ready.ReadyFile``) once the pair is healthy, rewrites it
+    (atomically) after every restart, removes it when the pair stops."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._build: Callable[[], ReadyFile] | None = None
+
+    def publish(self, build: Callable[[], ReadyFile]) -> ReadyFile:
+        with self._lock:
+            self._build = build
+            return self._write()
+
+    def refresh(self) -> None:
+        with self._lock:
+            if self._build is not None:  # before publish() the first write will hold the news
+                self._write()
+
+    def remove(self) -> None:
+        with self._lock:
+            self._build = None
+            if self.path is not None:
+                self.path.unlink(missing_ok=True)
+
+    def _write(self) -> ReadyFile:
+        assert self._build is not None
+        info = self._build()
+        if self.path is not None:
+            write_json_atomically(self.path, info.to_json())
+        return info

@@ -157,6 +157,12 @@ def test_ready_file_errors_are_sentences(tmp_path):
     (tmp_path / "partial.json").write_text('{"producer": "http://127.0.0.1:1"}')
     with pytest.raises(UserError, match="is not a serve-pair ready file"):
         read_ready_file(tmp_path / "partial.json")
+    whole = {"producer": "P", "consumer": "C", "model": "/m", "block_size": 32, "hash_unit": 1, "max_model_len": 64}
+    (tmp_path / "sglang.json").write_text(json.dumps({**whole, "connector": "sglang"}))
+    with pytest.raises(UserError, match="field 'connector'"):  # the choices are the pair config's own
+        read_ready_file(tmp_path / "sglang.json")
+    (tmp_path / "ok.json").write_text(json.dumps({**whole, "connector": "kvtool", "roles": "both"}))
+    assert read_ready_file(tmp_path / "ok.json").roles == "both"
 
 
 def one_line_error(args: list[str]) -> str:

@@ -11,21 +11,19 @@ from rich.console import Console
 
 from kvtool.pair import procs
 from kvtool.errors import UserError
-from kvtool.pair.config import (
-    ServePairConfig,
-    admin_url_for,
+from kvtool.files import write_json_atomically
+from kvtool.pair.config import ServePairConfig
+from kvtool.pair.engines import (
     cpu_halves,
     engine_argv,
     engine_env,
     kv_transfer_config,
     kvtool_extra_config,
-    preflight,
-    ready_info,
     request_log_path,
-    write_json_atomically,
 )
+from kvtool.pair.preflight import preflight
 from kvtool.store.mooncake import master_argv, mooncake_config_path, store_argv, vllm_mooncake_file_config
-from kvtool.pair.ready import ReadyFile
+from kvtool.pair.ready import ReadyFile, admin_url_for, ready_info
 from kvtool.pair.smoke import metric_total, smoke_prompts
 
 MiB = 1 << 20
@@ -287,7 +285,7 @@ def test_preflight_rejects_duplicate_ports(tmp_path, model_dir):
 
 
 def test_preflight_rejects_block_size_the_cpu_backend_refuses(tmp_path, model_dir, monkeypatch):
-    monkeypatch.setattr("kvtool.pair.config._is_cpu_vllm", lambda: True)
+    monkeypatch.setattr("kvtool.pair.preflight._is_cpu_vllm", lambda: True)
     with pytest.raises(UserError, match="multiple of 32"):
         preflight(make_config(tmp_path, model_dir, block_size=16))
 
@@ -329,7 +327,7 @@ def test_smoke_table_tolerates_absent_kv_transfer_params(monkeypatch, params):
         return {"usage": {"prompt_tokens_details": {"cached_tokens": 0}}, "kv_transfer_params": params}
 
     monkeypatch.setattr(smoke, "complete", fake_complete)
-    info = ReadyFile(model="/m", producer="P", consumer="C", connector="x", block_size=32, hash_unit=1,
+    info = ReadyFile(model="/m", producer="P", consumer="C", connector="kvtool", block_size=32, hash_unit=1,
                      max_model_len=2048)  # fmt: skip
     console = Console(record=True, width=100)
     cases = smoke.run_smoke(info, console)
@@ -343,7 +341,6 @@ def test_smoke_table_tolerates_absent_kv_transfer_params(monkeypatch, params):
 
 def test_the_ready_file_serve_pair_writes_is_the_one_every_reader_parses(tmp_path):
     from kvtool.pair.ready import parse_ready_file
-    from kvtool.pair.config import ServePairConfig, ready_info
 
     cfg = ServePairConfig(model=tmp_path, log_dir=tmp_path, max_model_len=1024)
     written = ready_info(cfg, {"master": 11, "producer": 12, "consumer": 13}, "http://127.0.0.1:9003", {"master": 1})
@@ -373,7 +370,6 @@ def test_every_connector_choice_has_one_profile_and_they_say_what_the_branches_s
 
 
 def test_a_fault_plan_reaches_the_connectors_through_their_config_only_when_a_test_sets_one(tmp_path):
-    from kvtool.pair.config import ServePairConfig, kv_transfer_config
 
     plain = ServePairConfig(model=tmp_path, log_dir=tmp_path)
     assert "fault_control_file" not in kv_transfer_config(plain, "consumer")["kv_connector_extra_config"]

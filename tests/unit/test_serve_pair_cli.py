@@ -67,7 +67,7 @@ def test_cli_roles_both_without_a_connector_is_one_line(tmp_path, model_dir):
 
 
 def test_cli_missing_binary_is_one_line(tmp_path, model_dir, monkeypatch):
-    monkeypatch.setattr("kvtool.pair.config.sys.executable", str(tmp_path / "python"))
+    monkeypatch.setattr("kvtool.pair.engines.sys.executable", str(tmp_path / "python"))
     monkeypatch.setenv("PATH", str(tmp_path))
     ports = [str(procs.find_free_port()) for _ in range(4)]
     result = runner.invoke(

