@@ -6,7 +6,7 @@ import time
 from typing import Any
 
 from connector.hits import HitDetails
-from kvtool.store.admin import MooncakeAdmin, wait_for_key, wait_for_quiet_key_count
+from kvtool.store.admin import open_admin, wait_for_key, wait_for_quiet_key_count
 from kvtool.pair.profiles import profile
 from kvtool.pair.ready import ReadyFile
 
@@ -58,7 +58,7 @@ class Durability:
         assert self._pair.admin is not None
         for key in self._pending_keys:
             # Puts run in order, so the last key of a save covers the save.
-            if not wait_for_key(self._pair.admin, key, self._timeout_s):
+            if not wait_for_key(open_admin(self._pair.admin), key, self._timeout_s):
                 timed_out = True
         if self._pending_unsignalled:
             timed_out = not self._wait_key_count_quiet()
@@ -69,5 +69,5 @@ class Durability:
     def _wait_key_count_quiet(self) -> bool:
         """Fallback without a signal: the master's key count has not changed for KEY_COUNT_QUIET_S."""
         assert self._pair.admin is not None
-        admin = MooncakeAdmin(self._pair.admin)
+        admin = open_admin(self._pair.admin)
         return wait_for_quiet_key_count(admin, self._timeout_s, KEY_COUNT_QUIET_S, poll_s=KEY_COUNT_POLL_S)[1]

@@ -56,7 +56,7 @@ def keys_command(
     output.check()
     check_kind(kind)
     target = resolve_target(admin, pair)
-    report = keys_report(target.admin, kind, namespace, prefix, limit, offset, block_size or target.block_size, sizes)
+    report = keys_report(target.store, kind, namespace, prefix, limit, offset, block_size or target.block_size, sizes)
     emit(report, output)
 
 
@@ -152,4 +152,4 @@ def store_command(
 
     output = output_options.with_legacy_json_flag(as_json)
     output.check()
-    emit(store_report(resolve_target(admin, pair).admin, high_watermark), output)
+    emit(store_report(resolve_target(admin, pair).store, high_watermark), output)

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 
 from connector.keys import SCHEMA_VERSION, KeyKind, decode_key
 
-from kvtool.store import admin
+from kvtool.store.admin import StoreAdmin
 from kvtool.errors import UserError
 from kvtool.report import Report, ReportTable
 
@@ -92,7 +92,7 @@ def namespaces(infos: Iterable[KeyInfo]) -> list[str]:
 
 
 def keys_report(
-    admin_url: str,
+    store: StoreAdmin,
     kind: str | None,
     namespace: str | None,
     prefix: str | None,
@@ -104,11 +104,11 @@ def keys_report(
     if limit <= 0 or offset < 0:
         raise UserError("--limit must be positive and --offset not negative")
     check_kind(kind)
-    every = [describe_key(key, block_size) for key in admin.all_keys(admin_url)]
+    every = [describe_key(key, block_size) for key in store.keys()]
     matched = select_keys(every, kind, namespace, prefix)
     page = matched[offset : offset + limit]
     if sizes and page:
-        found = admin.object_sizes(admin_url, [i.key for i in page])
+        found = store.sizes([i.key for i in page])
         page = [KeyInfo(**{**asdict(i), "size_bytes": found.get(i.key)}) for i in page]
     next_offset = offset + len(page) if offset + len(page) < len(matched) else None
     counts = {name: sum(1 for i in every if i.kind == name) for name in KIND_CHOICES}
@@ -117,11 +117,11 @@ def keys_report(
     if next_offset is not None:
         notes.append(f"showing {offset + 1}-{offset + len(page)} of {len(matched)}; next page: --offset {next_offset}")
     return Report(
-        tables=[ReportTable(f"store keys at {admin_url}", KEY_COLUMNS, rows)],
+        tables=[ReportTable(f"store keys at {store.url}", KEY_COLUMNS, rows)],
         summary={"total_keys": len(every), "matched": len(matched), "by_kind": counts},
         notes=notes,
         payload={
-            "admin": admin_url,
+            "admin": store.url,
             "total_keys": len(every),
             "matched": len(matched),
             "offset": offset,

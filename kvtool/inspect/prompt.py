@@ -21,7 +21,6 @@ from connector.prefix import PromptKeys, plan_load
 from connector.search import find_stored_prefix
 from connector.watermarks import WatermarkRecord
 
-from kvtool.store import admin
 from kvtool.errors import UserError
 from kvtool.report import Report, ReportTable
 from kvtool.inspect.target import Target, open_reader
@@ -339,7 +338,7 @@ def _cost_summary(target: Target, keys: PromptKeys, result: PromptInspection, co
     from kvtool.inspect.cost import cost_verdict
 
     in_hit = [b.key for b in result.boundaries if b.in_hit and b.kind in ("block", "tail")]
-    sizes = [size for size in admin.object_sizes(target.admin, in_hit[:1]).values() if size] if in_hit else []
+    sizes = [size for size in target.store.sizes(in_hit[:1]).values() if size] if in_hit else []
     if not sizes:
         return {"cost_taken_tokens": result.hit_tokens, "cost_verdict": "no stored object of the hit to weigh"}
     taken, why = cost_verdict(result.hit_tokens, keys.block_size, sizes[0], cost)
@@ -364,7 +363,7 @@ def prompt_report(
     if not block_size:
         raise UserError("the block size is not known: give --block-size or --pair READY_FILE")
     hash_unit = hash_unit or target.hash_unit or 1
-    every = admin.all_keys(target.admin)
+    every = target.store.keys()
     chosen = choose_namespace(namespace, namespaces(describe_key(k) for k in every))
     root = RequestIdentity(cache_salt=cache_salt).root_hash()
     grid = target.divergence_grid or 0  # lead pointers as the connector puts them, at its default

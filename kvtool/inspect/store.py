@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvtool.store import admin
+from kvtool.store.admin import StoreAdmin
 from kvtool.errors import UserError
 from kvtool.report import Report, ReportTable
 
@@ -44,18 +44,18 @@ def store_summary(samples: dict[str, float], high_watermark: float | None) -> di
     return summary
 
 
-def store_report(admin_url: str, high_watermark: float | None) -> Report:
+def store_report(store: StoreAdmin, high_watermark: float | None) -> Report:
     if high_watermark is not None and not 0 < high_watermark <= 1:
         raise UserError(f"--eviction-high-watermark {high_watermark} is not a ratio in (0, 1]")
-    summary = store_summary(admin.MooncakeAdmin(admin_url).metrics(), high_watermark)
+    summary = store_summary(store.metrics(), high_watermark)
     rows = [{"metric": name, "value": _human(name, value)} for name, value in summary.items()]
     notes = []
     if not summary["capacity_bytes"]:
         notes.append("capacity is 0: no client has mounted a segment yet (engines lend it when they start)")
     return Report(
-        tables=[ReportTable(f"store at {admin_url}", ["metric", "value"], rows)],
+        tables=[ReportTable(f"store at {store.url}", ["metric", "value"], rows)],
         notes=notes,
-        payload={"admin": admin_url, **summary},
+        payload={"admin": store.url, **summary},
     )
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from kvtool.errors import UserError
 from kvtool.pair.ready import ReadyFile, read_ready_file
+from kvtool.store.admin import StoreAdmin, open_admin
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,11 @@ class Target:
     block_size: int | None = None
     hash_unit: int | None = None
     divergence_grid: int | None = None  # the pair's pointer grid (its ready file); None: not known
+
+    @property
+    def store(self) -> StoreAdmin:
+        """The store's admin side at ``admin``."""
+        return open_admin(self.admin)
 
 
 def resolve_target(admin: str | None, pair: Path | None, master: str | None = None) -> Target:

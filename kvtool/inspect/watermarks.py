@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from connector.keys import KeyKind, decode_key
 from connector.watermarks import WatermarkRecord
 
-from kvtool.store import admin
 from kvtool.report import Report, ReportTable
 from kvtool.inspect.target import Target, open_reader
 
@@ -88,7 +87,7 @@ def watermark_rows(loaded: list[LoadedRecord]) -> list[dict]:
 
 
 def read_watermarks(target: Target, namespace: str | None = None, keys: list[str] | None = None) -> list[LoadedRecord]:
-    refs = latest_record_keys(admin.all_keys(target.admin) if keys is None else keys, namespace)
+    refs = latest_record_keys(target.store.keys() if keys is None else keys, namespace)
     if not refs:
         return []
     reader = open_reader(target)

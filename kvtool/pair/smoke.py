@@ -17,7 +17,7 @@ from rich.table import Table
 from kvtool.client import complete
 from kvtool.errors import UserError
 from kvtool.pair.ready import ReadyFile
-from kvtool.store.admin import MooncakeAdmin, wait_for_quiet_key_count
+from kvtool.store.admin import open_admin, wait_for_quiet_key_count
 
 SEED = 7
 FIRST_TOKEN_ID = 3  # below are <unk>, <s>, </s>
@@ -57,7 +57,7 @@ def _wait_for_store_growth(admin_url: str | None, keys_before: float | None, tim
         time.sleep(1.0)
         return None
     # A save is several puts: wait for the count to grow, then to stay put a moment.
-    keys, _ = wait_for_quiet_key_count(MooncakeAdmin(admin_url), timeout_s, quiet_s=0.3, above=keys_before)
+    keys, _ = wait_for_quiet_key_count(open_admin(admin_url), timeout_s, quiet_s=0.3, above=keys_before)
     return keys if keys is not None else keys_before
 
 

@@ -1,9 +1,11 @@
 """The store's admin side: what kvtool inspect and kvtool bench ask of a store besides objects.
 
-``StoreAdmin`` is the interface (list keys, one key's existence, stored sizes, metrics, health);
-``MooncakeAdmin`` implements it over the Mooncake master's admin HTTP endpoints (its metrics port).
-The master does not URL-decode query strings, so keys go into URLs raw; kvtool's keys use only
-``[a-z0-9/]``, which need no escaping. The module-level functions are the same calls by URL.
+``StoreAdmin`` is the interface (list keys, one key's existence, stored sizes, metrics, health) that
+inspect, bench, smoke and the tests type against; ``open_admin`` gives the one for an admin URL.
+``MooncakeAdmin`` implements it over the Mooncake master's admin HTTP endpoints (its metrics port);
+a second backend's admin is one class here and a line in ``open_admin``. The master does not
+URL-decode query strings, so keys go into URLs raw; kvtool's keys use only ``[a-z0-9/]``, which need
+no escaping. The module-level functions are Mooncake's calls by URL.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from kvtool.errors import ServerError, UserError
 
 
 class StoreAdmin(Protocol):
+    url: str  # where it is, as messages name it
+
     def keys(self) -> list[str]: ...
 
     def exists(self, key: str) -> bool: ...
@@ -59,6 +63,11 @@ class MooncakeAdmin:
             return False
 
 
+def open_admin(url: str) -> StoreAdmin:
+    """The store's admin at ``url`` (a Mooncake master's admin URL: its --metrics_port)."""
+    return MooncakeAdmin(url)
+
+
 def key_exists(admin_url: str, key: str, timeout_s: float = 5.0) -> bool:
     url = f"{admin_url.rstrip('/')}/query_key?key={key}"
     try:
@@ -68,11 +77,11 @@ def key_exists(admin_url: str, key: str, timeout_s: float = 5.0) -> bool:
     return answer.status_code == 200 and bool(answer.json().get("success"))
 
 
-def wait_for_key(admin_url: str, key: str, timeout_s: float = 60.0, poll_s: float = 0.05) -> bool:
+def wait_for_key(admin: StoreAdmin, key: str, timeout_s: float = 60.0, poll_s: float = 0.05) -> bool:
     """Wait until ``key`` is in the store; False if it is not there after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while True:
-        if key_exists(admin_url, key):
+        if admin.exists(key):
             return True
         if time.monotonic() >= deadline:
             return False

@@ -15,7 +15,7 @@ from pathlib import Path
 from connector.config import load_config
 from connector.hits import HitDetails
 from connector.store import TimedStore, open_store
-from kvtool.store.admin import wait_for_key
+from kvtool.store.admin import open_admin, wait_for_key
 from kvtool.client import complete
 from kvtool.pair.procs import http_ok
 from kvtool.verify import compare_answers
@@ -67,7 +67,8 @@ def wait_save_ended(pair: dict, details: HitDetails, timeout_s: float = 60.0) ->
     """Wait until the producer's save ended: its final watermark record is written after every put."""
     key = details.watermark_key
     assert key, f"the producer published nothing: {details}"
-    assert wait_for_key(pair["admin"], key, timeout_s), f"{key} did not appear in the store in {timeout_s} s"
+    store = open_admin(pair["admin"])
+    assert wait_for_key(store, key, timeout_s), f"{key} did not appear in the store in {timeout_s} s"
 
 
 def produce(pair: dict, tokens: list[int], expect_stored: bool = True) -> HitDetails:
@@ -75,7 +76,8 @@ def produce(pair: dict, tokens: list[int], expect_stored: bool = True) -> HitDet
     details = hit_details(response)
     wait_save_ended(pair, details)
     if expect_stored:
-        assert wait_for_key(pair["admin"], details.save_last_key, 0), "the save ended without its last object"
+        store = open_admin(pair["admin"])
+        assert wait_for_key(store, details.save_last_key, 0), "the save ended without its last object"
     return details
 
 

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from connector.hits import HitDetails
-from kvtool.store.admin import wait_for_key
+from kvtool.store.admin import open_admin, wait_for_key
 
 from .conftest import running_pair
 from .pairtools import consume, produce, prompt, through_pointer_stalls, wait_save_ended, warm_pointer_reads
@@ -56,7 +56,7 @@ def three_turn_chat(both_pair: dict) -> None:
         assert len(generated) == ANSWER
         # Its answer save: prompt + answer but the last generated token, which has no KV.
         assert details.answer_tokens == len(turn) + ANSWER - 1 and details.answer_save_objects > 0
-        assert wait_for_key(both_pair["admin"], details.answer_last_key, 60.0), details.answer_last_key
+        assert wait_for_key(open_admin(both_pair["admin"]), details.answer_last_key, 60.0), details.answer_last_key
         computed = len(turn) + ANSWER - 1
         turn = turn + generated + prompt(41 + number, 7)
 

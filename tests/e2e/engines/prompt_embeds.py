@@ -18,7 +18,7 @@ def main(model_dir: str, master: str, admin: str) -> None:
     import torch
     from vllm import LLM, SamplingParams
 
-    from kvtool.store.admin import wait_for_key
+    from kvtool.store.admin import open_admin, wait_for_key
 
     llm = LLM(
         model=model_dir, dtype="float32", block_size=32, max_model_len=512, gpu_memory_utilization=0.3,
@@ -57,7 +57,7 @@ def main(model_dir: str, master: str, admin: str) -> None:
         }), flush=True)  # fmt: skip
         if name == "first" and details.get("watermark_key"):
             # The next run must find the save in the store: wait until every put of it was tried.
-            wait_for_key(admin, details["watermark_key"], 60.0)
+            wait_for_key(open_admin(admin), details["watermark_key"], 60.0)
 
 
 def warm_up(llm, admin: str, timeout_s: float = 180.0) -> None:
@@ -67,7 +67,7 @@ def warm_up(llm, admin: str, timeout_s: float = 180.0) -> None:
 
     from vllm import SamplingParams
 
-    from kvtool.store.admin import wait_for_key
+    from kvtool.store.admin import open_admin, wait_for_key
 
     params = SamplingParams(max_tokens=1, detokenize=False)
     deadline, seed = time.monotonic() + timeout_s, 0
@@ -76,7 +76,7 @@ def warm_up(llm, admin: str, timeout_s: float = 180.0) -> None:
         (first,) = llm.generate([{"prompt_token_ids": tokens}], params, use_tqdm=False)
         key = ((first.kv_transfer_params or {}).get("kvtool") or {}).get("watermark_key")
         if key:
-            wait_for_key(admin, key, 60.0)
+            wait_for_key(open_admin(admin), key, 60.0)
         (again,) = llm.generate([{"prompt_token_ids": tokens}], params, use_tqdm=False)
         details = (again.kv_transfer_params or {}).get("kvtool") or {}
         if details.get("external_hit_tokens", 0) > 0 and details.get("load_failure") is None:
