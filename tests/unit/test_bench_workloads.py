@@ -170,7 +170,8 @@ def test_scaled_prompt_length_follows_the_block_scale(length, block_tokens):
 
 
 def test_the_real_trace_file_replays(tmp_path):
-    trace = Path("/work/shared/traces/mooncake_synthetic_trace.jsonl")
+    # The workplace's shared trace, beside the repository (shared/traces/README.md).
+    trace = Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
     if not trace.is_file():
         pytest.skip("the shared trace is not on this machine")
     config = BenchConfig(trace=TraceOptions(start=3969, requests=24))
