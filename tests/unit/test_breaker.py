@@ -10,8 +10,10 @@ from hypothesis import strategies as st
 
 from connector.breaker import BreakerPolicy, CircuitBreaker, GuardedStore
 from connector.calls import BoundedCalls, StoreBusy, StoreError, StoreTimeout
+from connector.scheduler import SchedulerSide
 
-from .scripted_store import ScriptedStore
+from .scripted_store import InlineCalls, ScriptedStore
+from .test_scheduler import CONFIG, EMPTY_STEP, NS, PROMPT, publish, request
 
 
 class Clock:
@@ -109,3 +111,23 @@ def test_calls_that_hang_take_every_slot_and_later_calls_fail_at_once():
     finally:
         release.set()
         calls.shutdown()
+
+
+def test_no_step_waits_for_a_lookup_while_the_breaker_is_open():
+    """A failing store costs the engine no time: the lookup goes out with the step's batch instead of
+    being waited for in the step that asked (where a healthy store answers it at once)."""
+
+    class Breaker:
+        is_open = False
+
+    store, breaker = ScriptedStore(), Breaker()
+    publish(store, PROMPT)
+    side = SchedulerSide(
+        CONFIG, NS, store, loads_enabled=True, saves_enabled=False, lookup_calls=InlineCalls(), breaker=breaker
+    )
+    assert side.get_num_new_matched_tokens(request(PROMPT + [1], "healthy"), 0) == (85, True)
+    breaker.is_open = True
+    req = request(PROMPT + [2], "failing")
+    assert side.get_num_new_matched_tokens(req, 0) == (None, False)  # not waited for
+    side.build_connector_meta(EMPTY_STEP)
+    assert side.get_num_new_matched_tokens(req, 0) == (85, True)

@@ -430,23 +430,3 @@ def test_a_producer_request_that_reads_no_cached_prefix_still_saves_its_prompt()
         (5, "b", 64),
         (6, "t", 85),
     ]
-
-
-def test_no_step_waits_for_a_lookup_while_the_breaker_is_open():
-    """A failing store costs the engine no time: the lookup goes out with the step's batch instead of
-    being waited for in the step that asked (where a healthy store answers it at once)."""
-
-    class Breaker:
-        is_open = False
-
-    store, breaker = ScriptedStore(), Breaker()
-    publish(store, PROMPT)
-    side = SchedulerSide(
-        CONFIG, NS, store, loads_enabled=True, saves_enabled=False, lookup_calls=InlineCalls(), breaker=breaker
-    )
-    assert side.get_num_new_matched_tokens(request(PROMPT + [1], "healthy"), 0) == (85, True)
-    breaker.is_open = True
-    req = request(PROMPT + [2], "failing")
-    assert side.get_num_new_matched_tokens(req, 0) == (None, False)  # not waited for
-    side.build_connector_meta(EMPTY_STEP)
-    assert side.get_num_new_matched_tokens(req, 0) == (85, True)
