@@ -34,6 +34,27 @@ class ConfigError(ValueError):
 EXTEND_MIN_TOKENS = 16  # extend_min_tokens' default
 
 
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 1 << 10, "mb": 1 << 20, "gb": 1 << 30, "tb": 1 << 40}
+
+
+def parse_size(value: Any) -> int:
+    """Bytes from a whole number or a size string as Mooncake's files write them ("4GB", "512 MB", "1.5gb";
+    binary units: a KB is 1024 bytes). Raises ValueError naming what it accepts."""
+    if isinstance(value, bool):
+        raise ValueError("must be a number of bytes or a size such as 4GB")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        text = value.strip().lower().replace(" ", "").removesuffix("ib").removesuffix("b")
+        number = text.rstrip("kmgt")
+        unit = (text[len(number) :] + "b") if text[len(number) :] else ""
+        try:
+            return int(float(number) * _SIZE_UNITS[unit])
+        except (KeyError, ValueError):
+            pass
+    raise ValueError(f"{value!r} is not a size; give bytes or a size such as 4GB, 512MB")
+
+
 class MooncakeSettings(BaseModel):
     """The Mooncake store client's settings: the ``mooncake`` section of the connector config (the same
     fields at the top level are still accepted and moved here)."""
@@ -51,10 +72,17 @@ class MooncakeSettings(BaseModel):
     @field_validator("master_server_address")
     @classmethod
     def _host_port(cls, value: str) -> str:
-        host, sep, port = value.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ValueError("must be host:port, e.g. 127.0.0.1:50051")
+        """host:port of one master, or etcd://host:port[;host:port...] of a high-availability group."""
+        for address in value.removeprefix("etcd://").split(";"):
+            host, sep, port = address.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ValueError("must be host:port (e.g. 127.0.0.1:50051) or etcd://host:port for an HA master")
         return value
+
+    @field_validator("global_segment_size", "local_buffer_size", mode="before")
+    @classmethod
+    def _size(cls, value: Any) -> int:
+        return parse_size(value)
 
 
 MOONCAKE_FIELDS: tuple[str, ...] = tuple(MooncakeSettings.model_fields)

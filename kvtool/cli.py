@@ -8,6 +8,7 @@ import sys
 import typer
 
 from kvtool.commands.bench import bench_command
+from kvtool.commands.config import config_app
 from kvtool.commands.inspect import inspect_app
 from kvtool.commands.model import model_command
 from kvtool.commands.output import EXIT_CODES_EPILOG, print_user_error
@@ -26,6 +27,7 @@ app.command("serve-pair", epilog=EXIT_CODES_EPILOG)(serve_pair_command)
 app.command("bench", epilog=EXIT_CODES_EPILOG)(bench_command)
 app.command("model", epilog=EXIT_CODES_EPILOG)(model_command)
 app.add_typer(inspect_app, name="inspect")
+app.add_typer(config_app, name="config")
 
 
 def _terminate_as_interrupt(_signum: int, _frame: object) -> None:

@@ -47,7 +47,10 @@ def with_options(**groups: type) -> Callable[[F], F]:
         @functools.wraps(command)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             for group, cls in groups.items():
-                kwargs[group] = cls(**{item.name: kwargs.pop(item.name) for item in fields(cls)})
+                built = cls(**{item.name: kwargs.pop(item.name) for item in fields(cls)})
+                if hasattr(built, "with_file"):  # a group a file may fill in (PairOptions: --config)
+                    built = built.with_file(given=_given_on_command_line())
+                kwargs[group] = built
             return command(*args, **kwargs)
 
         parameters = own + added
@@ -56,6 +59,21 @@ def with_options(**groups: type) -> Callable[[F], F]:
         return wrapper  # type: ignore[return-value]
 
     return decorate
+
+
+def _given_on_command_line() -> set[str]:
+    """The parameters of the running command that its command line (or environment) gave."""
+    import click
+    from click.core import ParameterSource
+
+    context = click.get_current_context(silent=True)
+    if context is None:
+        return set()
+    return {
+        name
+        for name in context.params
+        if context.get_parameter_source(name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
+    }
 
 
 # ---- output: bench and every inspect subcommand ---------------------------------------------
@@ -121,6 +139,10 @@ class OutputOptions:
 PAIR_PANEL = "Pair (serve-pair, bench --launch)"
 ROLES_CHOICES = get_args(RolesChoice)  # declared once, with ServePairConfig
 STORE_CHOICES = get_args(StoreChoice)
+
+
+_NOT_IN_FILES = frozenset({"config_file", "model_size", "fault_control_file"})  # flags a pair file cannot set
+_PATH_FIELDS = frozenset({"model", "log_dir"})  # relative to the file's directory
 
 
 def _pair(help_text: str, *names: str, hidden: bool = False) -> Any:
@@ -216,6 +238,14 @@ class PairOptions:
         ),
     ] = None
     startup_timeout: Annotated[float, _pair("seconds to wait for both servers to be healthy")] = 300.0
+    config_file: Annotated[
+        Path | None,
+        _pair(
+            "a pair config file (TOML: these flags by name, e.g. configs/cpu-demo/pair.toml); flags given on the "
+            "command line win over it, its relative paths are relative to it",
+            "--config",
+        ),
+    ] = None
     fault_control_file: Annotated[
         Path | None,
         _pair("testing only: a fault plan file (connector/faults.py) the kvtool connectors re-read", hidden=True),
@@ -224,6 +254,38 @@ class PairOptions:
     @property
     def preset(self) -> str:
         return self.model_size if self.model_size is not None else self.model_preset
+
+    def with_file(self, given: set[str] = frozenset()) -> PairOptions:  # type: ignore[assignment]
+        """These options with the ``--config`` file's fields filled in, except those in ``given`` (flags
+        given on the command line win); a UserError naming a bad field."""
+        if self.config_file is None:
+            return self
+        from pydantic import TypeAdapter, ValidationError
+
+        from kvtool.files import read_config_file
+
+        path = self.config_file
+        content = read_config_file(path)
+        names = [item.name for item in fields(self) if item.name not in _NOT_IN_FILES]
+        values: dict[str, Any] = {}
+        for key, value in content.items():
+            name = key.replace("-", "_")
+            if name not in names:
+                accepted = ", ".join(n.replace("_", "-") for n in names)
+                raise UserError(f"{path}: unknown field {key!r} (accepted: {accepted})")
+            if name not in given:
+                values[name] = str(path.parent / value) if name in _PATH_FIELDS and isinstance(value, str) else value
+        merged = {**{item.name: getattr(self, item.name) for item in fields(self)}, **values}
+        try:
+            options = TypeAdapter(PairOptions).validate_python(merged)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            raise UserError(f"{path}: field {str(first['loc'][0]).replace('_', '-')!r}: {first['msg']}") from None
+        try:
+            options.check()
+        except UserError as exc:
+            raise UserError(f"{path}: {exc.message}") from None
+        return options
 
     def check(self) -> None:
         """The flags' values, checked without any I/O; a UserError naming the flag."""
@@ -244,11 +306,14 @@ class PairOptions:
             if value not in allowed:
                 raise UserError(f"--{flag} {value!r} is not one of: {', '.join(allowed)}")
 
-    def config(self, ready_file: Path | None = None, report: Callable[[str], None] = say) -> ServePairConfig:
-        """The ServePairConfig these flags describe (generating the preset model if --model is not given)."""
+    def config(
+        self, ready_file: Path | None = None, report: Callable[[str], None] = say, generate_model: bool = True
+    ) -> ServePairConfig:
+        """The ServePairConfig these flags describe (generating the preset model if --model is not given,
+        unless ``generate_model`` is false: then the path it would have)."""
         from pydantic import ValidationError
 
-        from kvtool.model import ensure_default_model
+        from kvtool.model import default_model_dir, ensure_default_model
         from kvtool.pair.config import ServePairConfig, default_log_dir
 
         self.check()
@@ -258,8 +323,11 @@ class PairOptions:
         if model is None:
             from kvtool.model import PRESETS
 
-            report(f"no --model given; using the generated {self.preset} model")
-            model = ensure_default_model(preset=self.preset)
+            if generate_model:
+                report(f"no --model given; using the generated {self.preset} model")
+                model = ensure_default_model(preset=self.preset)
+            else:
+                model = default_model_dir(self.preset)
             preset = PRESETS[self.preset]
             engine_args = preset.engine_args_for(self.block_size)
             saving_engine_args = preset.engine_args_for(self.block_size, saves=True)

@@ -81,6 +81,9 @@ def running_pair(
         str(ready_file),
         "--log-dir",
         str(log_dir),
+        # The CPU demo's pair config, as an operator starts it; the flags below (ports, preset, roles) win.
+        "--config",
+        str(REPO_ROOT / "configs" / "cpu-demo" / "pair.toml"),
         "--model-preset",
         preset,
         "--connector",

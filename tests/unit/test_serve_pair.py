@@ -304,14 +304,16 @@ def test_metric_total_sums_label_sets():
     assert metric_total(text, "missing") is None
 
 
-def test_example_configs_match_what_serve_pair_generates(tmp_path):
-    configs = Path(__file__).resolve().parents[2] / "configs"
-    cfg = make_config(tmp_path)
-    for role in ("producer", "consumer"):
-        generated = kv_transfer_config(cfg, role)
-        del generated["kv_connector_extra_config"]["request_log"]  # a per-run path, not part of the example
-        assert json.loads((configs / f"kv-transfer-kvtool-{role}.json").read_text()) == generated
-    assert json.loads((configs / "mooncake-store.json").read_text()) == vllm_mooncake_file_config(cfg.master_address)
+def test_the_cpu_demo_configs_are_what_serve_pair_generates(tmp_path):
+    configs = Path(__file__).resolve().parents[2] / "configs" / "cpu-demo"
+    for roles, files in (("pd", {"producer": "producer", "consumer": "consumer"}), ("both", {"producer": "both"})):
+        cfg = make_config(tmp_path, roles=roles)
+        for role, name in files.items():
+            generated = kv_transfer_config(cfg, role)
+            del generated["kv_connector_extra_config"]["request_log"]  # a per-run path, not part of the example
+            assert json.loads((configs / f"kv-transfer-{name}.json").read_text()) == generated, name
+    expected = vllm_mooncake_file_config(make_config(tmp_path).master_address)
+    assert json.loads((configs / "mooncake.json").read_text()) == expected
 
 
 @pytest.mark.parametrize("params", [None, {"kvtool": {"external_hit_tokens": 85, "tail_hit_tokens": 21}}])
