@@ -140,9 +140,14 @@ def _outcome(key: str, code: int) -> PutOutcome:
 
 
 def _check_reachable(address: str, timeout_s: float) -> None:
-    host, _, port = address.rpartition(":")
-    try:
-        with socket.create_connection((host, int(port)), timeout=timeout_s):
-            pass
-    except OSError as exc:
-        raise StoreError(f"the Mooncake master at {address} is not reachable ({exc.strerror or exc})") from None
+    """The master's RPC port, or for an HA group (``etcd://host:port;host:port``) any of its etcd
+    endpoints, accepts a connection; a StoreError otherwise."""
+    problems = []
+    for endpoint in address.removeprefix("etcd://").split(";"):
+        host, _, port = endpoint.rpartition(":")
+        try:
+            with socket.create_connection((host, int(port)), timeout=timeout_s):
+                return
+        except OSError as exc:
+            problems.append(f"{endpoint}: {exc.strerror or exc}")
+    raise StoreError(f"the Mooncake master at {address} is not reachable ({'; '.join(problems)})")

@@ -173,7 +173,10 @@ class PairOptions:
     ] = 9003
     master: Annotated[
         str | None,
-        _pair("HOST:PORT of a running mooncake_master to use instead of starting one (not supervised)"),
+        _pair(
+            "HOST:PORT of a running mooncake_master to use instead of starting one, or etcd://HOST:PORT[;...] of a "
+            "master group in high-availability mode (not supervised)"
+        ),
     ] = None
     store_port: Annotated[int, _pair("service port of the standalone store (--store standalone)")] = 50052
     block_size: Annotated[int, _pair("vLLM KV block size in tokens (a multiple of 32 on the CPU)")] = 32

@@ -42,7 +42,7 @@ class ServePairConfig(BaseModel):
     consumer_port: int = 8200
     master_port: int = 50051
     admin_port: int = 9003
-    external_master: str | None = None  # host:port of a master kvtool does not start
+    external_master: str | None = None  # host:port of a master kvtool does not start, or etcd://... of an HA group
     store_port: int = 50052  # the standalone mooncake_client's service port
     block_size: int = Field(default=32, gt=0)
     hash_unit: int = Field(default=1, gt=0)
@@ -122,6 +122,16 @@ class ServePairConfig(BaseModel):
 
     def base_url(self, role: Role) -> str:
         return f"http://{LOOPBACK}:{self.port(role)}"
+
+
+HA_PREFIX = "etcd://"  # a master group in high-availability mode, named by its etcd endpoints
+
+
+def master_endpoints(address: str, flag: str) -> list[tuple[str, int]]:
+    """Where to reach a master: its RPC ``host:port``, or the etcd endpoints of an HA group
+    (``etcd://host:port;host:port``)."""
+    parts = address.removeprefix(HA_PREFIX).split(";") if address.startswith(HA_PREFIX) else [address]
+    return [parse_host_port(part, flag) for part in parts]
 
 
 def parse_host_port(address: str, flag: str) -> tuple[str, int]:

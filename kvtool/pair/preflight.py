@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 
 from kvtool.errors import UserError
-from kvtool.pair.config import CPU_BLOCK_MULTIPLE, ServePairConfig, parse_host_port
+from kvtool.pair.config import CPU_BLOCK_MULTIPLE, HA_PREFIX, ServePairConfig, master_endpoints
 from kvtool.pair.procs import ensure_port_free, tcp_port_open
 from kvtool.store.mooncake import find_binary, lmcache_binary
 
@@ -59,9 +59,11 @@ def preflight(cfg: ServePairConfig) -> None:
         ensure_port_free(port, flag)
 
     if cfg.external_master is not None:
-        host, port = parse_host_port(cfg.external_master, "--master")
-        if not tcp_port_open(port, host):
-            raise UserError(f"no Mooncake master answers at {cfg.external_master}; start one or drop --master")
+        endpoints = master_endpoints(cfg.external_master, "--master")
+        if not any(tcp_port_open(port, host) for host, port in endpoints):
+            group = cfg.external_master.startswith(HA_PREFIX)
+            what = "etcd endpoint of the master group" if group else "Mooncake master"
+            raise UserError(f"no {what} answers at {cfg.external_master}; start one or drop --master")
     if cfg.starts_master:
         find_binary("mooncake_master")
     if cfg.starts_store:

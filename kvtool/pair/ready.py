@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from kvtool.errors import UserError
 from kvtool.files import write_json_atomically
-from kvtool.pair.config import LOOPBACK, RolesChoice, ServePairConfig, StoreChoice, parse_host_port
+from kvtool.pair.config import HA_PREFIX, LOOPBACK, RolesChoice, ServePairConfig, StoreChoice, parse_host_port
 from kvtool.pair.engines import request_log_path
 from kvtool.pair.profiles import ConnectorChoice
 
@@ -80,6 +80,8 @@ def admin_url_for(cfg: ServePairConfig) -> str | None:
     """The master's admin URL: the one kvtool starts, or with --master that host at --admin-port."""
     if not cfg.uses_mooncake:
         return None
+    if cfg.external_master is not None and cfg.external_master.startswith(HA_PREFIX):
+        return None  # a group's leader changes: give inspect the leader's --admin
     if cfg.external_master is not None:
         host, _ = parse_host_port(cfg.external_master, "--master")
         return f"http://{host}:{cfg.admin_port}"

@@ -13,6 +13,9 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+import httpx
+
+from kvtool.errors import ServerError
 from kvtool.pair.procs import LOOPBACK, ManagedProcess, ProcessSet, ReadinessCheck, find_free_port
 from kvtool.store.mooncake import find_binary, master_argv, mooncake_env
 
@@ -62,6 +65,15 @@ class LocalMaster:
     def pid(self) -> int | None:
         return self._master.pid if self._master is not None else None
 
+    def role(self) -> str | None:
+        """In a high-availability group: ``leader`` or ``standby`` (its admin's /role); None if it does not
+        answer."""
+        try:
+            answer = httpx.get(f"{self.admin}/role", timeout=2.0)
+        except httpx.HTTPError:
+            return None
+        return answer.text.strip() if answer.status_code == 200 else None
+
     def stop(self) -> None:
         procs, self._procs, self._master = self._procs, None, None
         if procs is not None:
@@ -75,3 +87,46 @@ class LocalMaster:
 
     def __exit__(self, *_exc: object) -> None:
         self.stop()
+
+
+class LocalEtcd:
+    """A one-member etcd on loopback free ports, its data in a temporary directory: what a master group in
+    high-availability mode (``mooncake_master --enable_ha``) elects its leader through. Needs ``etcd``
+    on PATH (Debian's etcd-server; scripts/setup installs it)."""
+
+    def __init__(self) -> None:
+        self.client_port, self.peer_port = find_free_port(), find_free_port()
+        self.endpoint = f"{LOOPBACK}:{self.client_port}"
+        self._dir: Path | None = None
+        self._procs: ProcessSet | None = None
+
+    def start(self, timeout_s: float = 30.0) -> LocalEtcd:
+        binary = shutil.which("etcd")
+        if binary is None:
+            raise ServerError("etcd is not installed; install Debian's etcd-server (scripts/setup does)")
+        self._dir = Path(tempfile.mkdtemp(prefix="kvtool-etcd-"))
+        client, peer = f"http://{self.endpoint}", f"http://{LOOPBACK}:{self.peer_port}"
+        argv = [binary, "--name", "kvtool", "--data-dir", str(self._dir / "data"), "--listen-client-urls", client,
+                "--advertise-client-urls", client, "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                "--initial-cluster", f"kvtool={peer}"]  # fmt: skip
+        self._procs = ProcessSet(self._dir)
+        etcd = self._procs.start("etcd", argv, readiness=ReadinessCheck(f"{client}/health"))
+        try:
+            self._procs.wait_ready([etcd], timeout_s, poll_s=0.1)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        procs, self._procs = self._procs, None
+        if procs is not None:
+            procs.stop_all(grace_s=10.0)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+
+def ha_master_flags(etcd: LocalEtcd) -> tuple[str, ...]:
+    """A master's flags to join the high-availability group that ``etcd`` elects."""
+    return ("--enable_ha=true", f"--etcd_endpoints={etcd.endpoint}")
