@@ -59,3 +59,39 @@ def test_the_store_memory_each_engine_lends_reaches_the_connectors(tmp_path):
     assert extra["mooncake"]["global_segment_size"] == 64 << 20
     with pytest.raises(ValueError):
         ServePairConfig(model=tmp_path, log_dir=tmp_path, segment_bytes=0)
+
+
+def test_a_master_group_in_ha_mode_is_named_by_its_etcd_endpoints(tmp_path, monkeypatch):
+    from kvtool.pair.ready import admin_url_for
+
+    monkeypatch.setattr("kvtool.pair.preflight.ensure_port_free", lambda port, flag: None)
+    (tmp_path / "config.json").write_text("{}")
+    group = "etcd://127.0.0.1:2379;127.0.0.1:2479"
+    cfg = ServePairConfig(model=tmp_path, log_dir=tmp_path, external_master=group)
+    extra = kv_transfer_config(cfg, "consumer")["kv_connector_extra_config"]
+    assert extra["mooncake"]["master_server_address"] == group and not cfg.starts_master
+    assert admin_url_for(cfg) is None  # the leader changes: inspect takes the leader's --admin
+    open_endpoints = {2479}
+    monkeypatch.setattr("kvtool.pair.preflight.tcp_port_open", lambda port, host: port in open_endpoints)
+    preflight(cfg)  # one etcd endpoint answering is enough
+    open_endpoints.clear()
+    with pytest.raises(UserError, match="no etcd endpoint of the master group answers at etcd://"):
+        preflight(cfg)
+    bad = ServePairConfig(model=tmp_path, log_dir=tmp_path, external_master="etcd://nowhere")
+    with pytest.raises(UserError, match="is not HOST:PORT"):
+        preflight(bad)
+
+
+def test_the_connector_takes_an_ha_group_and_fails_closed_when_no_endpoint_answers():
+    from connector.calls import StoreError
+    from connector.config import load_config
+    from connector.mooncake import _check_reachable
+    from kvtool.pair.procs import find_free_port
+
+    config = load_config({"mooncake": {"master_server_address": "etcd://127.0.0.1:2379;127.0.0.1:2479"}})
+    assert config.mooncake.master_server_address.startswith("etcd://")
+    with pytest.raises(ValueError):
+        load_config({"mooncake": {"master_server_address": "etcd://127.0.0.1"}})
+    closed = [find_free_port(), find_free_port()]  # nothing listens on them
+    with pytest.raises(StoreError, match="is not reachable"):
+        _check_reachable(f"etcd://127.0.0.1:{closed[0]};127.0.0.1:{closed[1]}", 1.0)
