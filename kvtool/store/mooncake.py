@@ -58,13 +58,16 @@ def find_binary(name: str) -> str:
     return found
 
 
-def master_argv(rpc_port: int | str, admin_port: int | str, binary: str = "mooncake_master") -> list[str]:
-    """A master on 127.0.0.1: its RPC port (store clients) and its admin port (HTTP metrics and keys)."""
+def master_argv(
+    rpc_port: int | str, admin_port: int | str, binary: str = "mooncake_master", host: str = LOOPBACK
+) -> list[str]:
+    """A master bound to ``host`` (127.0.0.1 unless a multi-host setup names its own address): its RPC port
+    (store clients) and its admin port (HTTP metrics and keys)."""
     return [
         binary,
-        f"--rpc_address={LOOPBACK}",
+        f"--rpc_address={host}",
         f"--rpc_port={rpc_port}",
-        f"--metrics_host={LOOPBACK}",
+        f"--metrics_host={host}",
         f"--metrics_port={admin_port}",
         # Its HTTP metadata server would bind every interface; P2PHANDSHAKE needs none.
         "--enable_http_metadata_server=false",
@@ -74,14 +77,21 @@ def master_argv(rpc_port: int | str, admin_port: int | str, binary: str = "moonc
 
 def store_argv(cfg: ServePairConfig, binary: str = "mooncake_client") -> list[str]:
     assert cfg.master_address is not None
+    return standalone_store_argv(cfg.master_address, cfg.store_port, cfg.store_segment_bytes, binary)
+
+
+def standalone_store_argv(
+    master_address: str, port: int, segment_bytes: int, binary: str = "mooncake_client", host: str = LOOPBACK
+) -> list[str]:
+    """A standalone store (``mooncake_client``) bound to ``host``, lending ``segment_bytes`` to the store."""
     return [
         binary,
-        f"--host={LOOPBACK}",
-        f"--port={cfg.store_port}",
-        f"--master_server_address={cfg.master_address}",
+        f"--host={host}",
+        f"--port={port}",
+        f"--master_server_address={master_address}",
         "--metadata_server=P2PHANDSHAKE",
         "--protocol=tcp",
-        f"--global_segment_size={cfg.store_segment_bytes}",
+        f"--global_segment_size={segment_bytes}",
         f"--local_buffer_size={16 * MiB}",
         "--logtostderr=true",
     ]

@@ -18,7 +18,7 @@ from kvtool.model import ensure_default_model
 from kvtool.pair.config import ServePairConfig
 from kvtool.pair.engines import engine_argv, engine_env
 from kvtool.pair.procs import LOOPBACK, ManagedProcess, ProcessSet, http_ok, tcp_port_open
-from kvtool.store.mooncake import find_binary, mooncake_env
+from kvtool.store.mooncake import find_binary, master_argv, mooncake_env, standalone_store_argv
 from tests.netns import Lab, can_make_namespaces
 
 from .pairtools import consume, produce, prompt
@@ -55,6 +55,11 @@ def engine(lab: Lab, procs: ProcessSet, cfg: ServePairConfig, role: str, address
     return procs.start(role, lab.command(role, argv), env=env, cwd=Path(__file__).resolve().parents[2])
 
 
+def bound_to(address: str) -> dict[str, str]:
+    """A Mooncake process's environment, its transfer engine bound to its host's address."""
+    return {**mooncake_env(), "MC_TCP_BIND_ADDRESS": address}
+
+
 @pytest.fixture(scope="module")
 def lab() -> Iterator[Lab]:
     why = can_make_namespaces()
@@ -74,18 +79,14 @@ def hosts(lab: Lab, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     master, store = addresses["master"], addresses["store"]
     procs = ProcessSet(workdir)
     try:
-        procs.start("master", lab.command("master", [
-            find_binary("mooncake_master"), f"--rpc_address={master}", f"--rpc_port={MASTER_PORT}",
-            f"--metrics_host={master}", f"--metrics_port={ADMIN_PORT}", "--enable_http_metadata_server=false",
-            "--logtostderr=true",
-        ]), env={**mooncake_env(), "MC_TCP_BIND_ADDRESS": master})  # fmt: skip
+        master_command = master_argv(MASTER_PORT, ADMIN_PORT, find_binary("mooncake_master"), host=master)
+        procs.start("master", lab.command("master", master_command), env=bound_to(master))
         admin = f"http://{master}:{ADMIN_PORT}"
         wait_until(lab, lambda: http_ok(f"{admin}/health"), "the master was healthy", procs)
-        procs.start("store", lab.command("store", [
-            find_binary("mooncake_client"), f"--host={store}", f"--port={STORE_PORT}",
-            f"--master_server_address={master}:{MASTER_PORT}", "--metadata_server=P2PHANDSHAKE", "--protocol=tcp",
-            f"--global_segment_size={512 << 20}", f"--local_buffer_size={16 << 20}", "--logtostderr=true",
-        ]), env={**mooncake_env(), "MC_TCP_BIND_ADDRESS": store})  # fmt: skip
+        store_command = standalone_store_argv(
+            f"{master}:{MASTER_PORT}", STORE_PORT, 512 << 20, find_binary("mooncake_client"), host=store
+        )
+        procs.start("store", lab.command("store", store_command), env=bound_to(store))
         wait_until(lab, lambda: tcp_port_open(STORE_PORT, store), "the store listened", procs)
         cfg = ServePairConfig(
             model=ensure_default_model(preset="tiny"), log_dir=workdir, external_master=f"{master}:{MASTER_PORT}",
