@@ -27,9 +27,9 @@ class Durability:
 
     def published(self, response: dict[str, Any]) -> int | None:
         """Note a producer response; returns the number of objects it saves when the connector says."""
-        details = (response.get("kv_transfer_params") or {}).get("kvtool")
-        self._expect(details.get("save_last_key") if details else None, signalled=details is not None)
-        return details.get("save_objects") if details else None
+        details = HitDetails.from_response(response)
+        self._expect(details.save_last_key if details else None, signalled=details is not None)
+        return details.save_objects if details else None
 
     def answered(self, record: HitDetails | None) -> None:
         """Note a consumer request a later request reuses: its answer save, by the kvtool connector's

@@ -62,7 +62,7 @@ def test_kvtool_waits_for_the_last_saved_key(admin_url):
     durability = Durability(pair(admin_url, "kvtool"), timeout_s=2.0)
     assert durability.wait() is None  # nothing published yet
     saved = durability.published(
-        {"kv_transfer_params": {"kvtool": {"save_last_key": "kvtool/2/ns/0/t/20/abc", "save_objects": 1}}}
+        {"kv_transfer_params": {"kvtool": {"prompt_tokens": 20, "lookup": "miss", "save_last_key": "kvtool/2/ns/0/t/20/abc", "save_objects": 1}}}
     )
     assert saved == 1
     _, timed_out = durability.wait()
@@ -73,7 +73,7 @@ def test_kvtool_waits_for_the_last_saved_key(admin_url):
 def test_a_key_that_never_appears_is_a_counted_timeout(admin_url):
     FakeAdmin.keys = set()
     durability = Durability(pair(admin_url, "kvtool"), timeout_s=0.3)
-    details = {"save_last_key": "kvtool/2/ns/0/b/32/x", "save_objects": 1}
+    details = {"prompt_tokens": 40, "lookup": "miss", "save_last_key": "kvtool/2/ns/0/b/32/x", "save_objects": 1}
     durability.published({"kv_transfer_params": {"kvtool": details}})
     assert durability.wait()[1] is True
 
