@@ -280,7 +280,8 @@ class FakePair:
             "kvtool_timing": {"ttft_s": 0.01, "total_s": 0.02},
         }
         if engine == "producer" and self.connector == "kvtool":
-            response["kv_transfer_params"] = {"kvtool": {"prompt_tokens": 20, "lookup": "miss", "save_last_key": f"save-{len(prompt)}", "save_objects": 1}}
+            saved = {"save_last_key": f"save-{len(prompt)}", "save_objects": 1}
+            response["kv_transfer_params"] = {"kvtool": {"prompt_tokens": len(prompt), "lookup": "miss", **saved}}
         tag = (options.get("kv_transfer_params") or {}).get("kvtool_tag")
         if tag is not None:
             self._log(engine, tag, len(prompt), len(answer))

@@ -61,13 +61,14 @@ def test_kvtool_waits_for_the_last_saved_key(admin_url):
     FakeAdmin.keys = {"kvtool/2/ns/0/t/20/abc"}
     durability = Durability(pair(admin_url, "kvtool"), timeout_s=2.0)
     assert durability.wait() is None  # nothing published yet
-    saved = durability.published(
-        {"kv_transfer_params": {"kvtool": {"prompt_tokens": 20, "lookup": "miss", "save_last_key": "kvtool/2/ns/0/t/20/abc", "save_objects": 1}}}
-    )
+    saved = durability.published({"kv_transfer_params": {"kvtool": {"prompt_tokens": 20, "lookup": "miss", **SAVED}}})
     assert saved == 1
     _, timed_out = durability.wait()
     assert not timed_out  # the key was there: it ended on the signal, not on the time-out
     assert durability.wait() is None
+
+
+SAVED = {"save_last_key": "kvtool/2/ns/0/t/20/abc", "save_objects": 1}
 
 
 def test_a_key_that_never_appears_is_a_counted_timeout(admin_url):
