@@ -44,12 +44,17 @@ def with_options(**groups: type) -> Callable[[F], F]:
         if clash:
             raise TypeError(f"{command.__name__}: options declared twice: {', '.join(sorted(clash))}")
 
+        # Typer hands the command its click context through a parameter typed typer.Context: it says which
+        # flags the command line gave (a group a file fills in, PairOptions with --config, leaves those).
+        added.append(inspect.Parameter(_CONTEXT, inspect.Parameter.KEYWORD_ONLY, annotation=typer.Context))
+
         @functools.wraps(command)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
+            given = _given_on_command_line(kwargs.pop(_CONTEXT, None))
             for group, cls in groups.items():
                 built = cls(**{item.name: kwargs.pop(item.name) for item in fields(cls)})
-                if hasattr(built, "with_file"):  # a group a file may fill in (PairOptions: --config)
-                    built = built.with_file(given=_given_on_command_line())
+                if hasattr(built, "with_file"):
+                    built = built.with_file(given=given)
                 kwargs[group] = built
             return command(*args, **kwargs)
 
@@ -61,19 +66,20 @@ def with_options(**groups: type) -> Callable[[F], F]:
     return decorate
 
 
-def _given_on_command_line() -> set[str]:
-    """The parameters of the running command that its command line (or environment) gave."""
-    import click
-    from click.core import ParameterSource
+_CONTEXT = "kvtool_click_context"
 
-    context = click.get_current_context(silent=True)
+
+def _given_on_command_line(context: Any) -> set[str]:
+    """The parameters of the running command that its command line (or environment) gave. (By the source's
+    name: Typer may carry its own copy of click, whose ParameterSource is another enum.)"""
     if context is None:
         return set()
-    return {
-        name
-        for name in context.params
-        if context.get_parameter_source(name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
-    }
+    given = set()
+    for name in context.params:
+        source = context.get_parameter_source(name)
+        if source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT"):
+            given.add(name)
+    return given
 
 
 # ---- output: bench and every inspect subcommand ---------------------------------------------

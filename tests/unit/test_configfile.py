@@ -162,3 +162,15 @@ def test_the_operators_guide_names_every_connector_field():
     }
     fields = (set(KVToolConfig.model_fields) - {"mooncake", "store_backend"}) | set(MooncakeSettings.model_fields)
     assert fields - named == set(), sorted(fields - named)
+
+
+def test_serve_pair_takes_the_file_and_the_flags_given_on_its_command_line_win(tmp_path, monkeypatch):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "pair.toml").write_text('model = "m"\nproducer-port = 8100\nblock-size = 64\nroles = "both"\n')
+    started = []
+    monkeypatch.setattr("kvtool.pair.launch.run_pair", lambda cfg, *args, **kwargs: started.append(cfg) or 0)
+    argv = ["serve-pair", "--config", str(tmp_path / "pair.toml"), "--producer-port", "9999", "--roles", "pd"]
+    result = CliRunner().invoke(app, argv)
+    assert result.exit_code == 0, result.output
+    (cfg,) = started
+    assert (cfg.producer_port, cfg.roles, cfg.block_size, cfg.model) == (9999, "pd", 64, (tmp_path / "m").resolve())
