@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from connector.config import MOONCAKE_FIELDS
+from connector.config import MOONCAKE_FIELDS, KVToolConfig
 
 KVTOOL_CONNECTOR_CLASS = "KVToolConnector"
 KVTOOL_CONNECTOR_MODULE = "connector.connector"
@@ -87,7 +87,9 @@ def kvtool_extra_config(settings: TransferSettings) -> dict[str, Any]:
         extra["skip_unprofitable_loads"] = False
     for name, value in (settings.extra or {}).items():  # a test's further fields, the store's in its section
         (store if name in MOONCAKE_FIELDS else extra)[name] = value
-    return extra
+    # Built as the connector will build it: a field it would refuse fails here, before an engine starts.
+    # What was set, and only that, is written (the connector fills in its own defaults).
+    return KVToolConfig.model_validate(extra).model_dump(mode="json", exclude_unset=True)
 
 
 # A failed load recomputes instead of failing the request: a store is a cache, not a source of truth.
