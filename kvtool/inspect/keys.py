@@ -114,6 +114,10 @@ def keys_report(
     counts = {name: sum(1 for i in every if i.kind == name) for name in KIND_CHOICES}
     rows = [_row(i) for i in page]
     notes = []
+    if not every and store.role() == "standby":
+        from kvtool.inspect.store import STANDBY_NOTE
+
+        notes.append(STANDBY_NOTE)
     if next_offset is not None:
         notes.append(f"showing {offset + 1}-{offset + len(page)} of {len(matched)}; next page: --offset {next_offset}")
     return Report(

@@ -44,18 +44,27 @@ def store_summary(samples: dict[str, float], high_watermark: float | None) -> di
     return summary
 
 
+STANDBY_NOTE = (
+    "this master is a standby of a high-availability group: it holds no objects; give the leader's --admin "
+    "(each master's GET /role says which)"
+)
+
+
 def store_report(store: StoreAdmin, high_watermark: float | None) -> Report:
     if high_watermark is not None and not 0 < high_watermark <= 1:
         raise UserError(f"--eviction-high-watermark {high_watermark} is not a ratio in (0, 1]")
     summary = store_summary(store.metrics(), high_watermark)
+    summary["ha_role"] = store.role()  # None: not a master of a high-availability group
     rows = [{"metric": name, "value": _human(name, value)} for name, value in summary.items()]
     notes = []
+    if summary["ha_role"] == "standby":
+        notes.append(STANDBY_NOTE)
     if not summary["capacity_bytes"]:
         notes.append("capacity is 0: no client has mounted a segment yet (engines lend it when they start)")
     return Report(
         tables=[ReportTable(f"store at {store.url}", ["metric", "value"], rows)],
         notes=notes,
-        payload={"admin": store.url, **summary},
+        payload={"admin": store.url, **summary, "notes": notes},
     )
 
 

@@ -34,6 +34,8 @@ class StoreAdmin(Protocol):
 
     def healthy(self) -> bool: ...
 
+    def role(self) -> str | None: ...  # in a high-availability group: leader or standby; else None
+
 
 class MooncakeAdmin:
     """``StoreAdmin`` over a Mooncake master's admin URL (e.g. http://127.0.0.1:9003)."""
@@ -61,6 +63,16 @@ class MooncakeAdmin:
             return httpx.get(f"{self.url.rstrip('/')}/health", timeout=2.0).status_code == 200
         except httpx.HTTPError:
             return False
+
+    def role(self) -> str | None:
+        """``leader`` or ``standby`` for a master of a high-availability group (its ``/role``); None for a
+        master that does not say (not in HA mode, or an older one)."""
+        try:
+            answer = httpx.get(f"{self.url.rstrip('/')}/role", timeout=2.0)
+        except httpx.HTTPError:
+            return None
+        role = answer.text.strip() if answer.status_code == 200 else ""
+        return role if role in ("leader", "standby") else None
 
 
 def open_admin(url: str) -> StoreAdmin:

@@ -13,9 +13,8 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-import httpx
-
 from kvtool.errors import ServerError
+from kvtool.store.admin import open_admin
 from kvtool.pair.procs import LOOPBACK, ManagedProcess, ProcessSet, ReadinessCheck, find_free_port
 from kvtool.store.mooncake import find_binary, master_argv, mooncake_env
 
@@ -66,13 +65,8 @@ class LocalMaster:
         return self._master.pid if self._master is not None else None
 
     def role(self) -> str | None:
-        """In a high-availability group: ``leader`` or ``standby`` (its admin's /role); None if it does not
-        answer."""
-        try:
-            answer = httpx.get(f"{self.admin}/role", timeout=2.0)
-        except httpx.HTTPError:
-            return None
-        return answer.text.strip() if answer.status_code == 200 else None
+        """In a high-availability group: ``leader`` or ``standby``; None if it does not say."""
+        return open_admin(self.admin).role()
 
     def stop(self) -> None:
         procs, self._procs, self._master = self._procs, None, None

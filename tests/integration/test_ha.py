@@ -6,6 +6,7 @@ failover is gone (a miss, never a wrong answer)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -43,6 +44,20 @@ def ha_group(tmp_path):
         second.stop()
         first.stop()
         etcd.stop()
+
+
+def test_inspect_says_which_master_leads_and_that_a_standby_holds_nothing(ha_group):
+    from typer.testing import CliRunner
+
+    from kvtool.cli import app
+
+    _, leader, standby = ha_group
+    for master, role in ((leader, "leader"), (standby, "standby")):
+        result = CliRunner().invoke(app, ["inspect", "store", "--admin", master.admin, "--format", "json"])
+        assert result.exit_code == 0, result.output
+        report = json.loads(result.output)
+        assert report["ha_role"] == role
+    assert any("standby of a high-availability group" in note for note in report["notes"])
 
 
 def test_clients_follow_the_new_leader_and_calls_fail_closed_meanwhile(ha_group):
