@@ -34,6 +34,24 @@ class ConfigError(ValueError):
 EXTEND_MIN_TOKENS = 16  # extend_min_tokens' default
 
 
+HA_PREFIX = "etcd://"  # a master group in high-availability mode, named by its etcd endpoints
+
+
+def master_endpoints(address: str) -> list[tuple[str, int]]:
+    """Where to reach a master: its RPC ``host:port``, or each etcd endpoint of a high-availability group
+    (``etcd://host:port;host:port``). Raises ValueError saying what it accepts."""
+    parts = address.removeprefix(HA_PREFIX).split(";") if address.startswith(HA_PREFIX) else [address]
+    endpoints = []
+    for part in parts:
+        host, sep, port = part.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(
+                "is not HOST:PORT or etcd://HOST:PORT[;HOST:PORT] (an HA group); give it like 127.0.0.1:50051"
+            )
+        endpoints.append((host, int(port)))
+    return endpoints
+
+
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 1 << 10, "mb": 1 << 20, "gb": 1 << 30, "tb": 1 << 40}
 
 
@@ -73,10 +91,7 @@ class MooncakeSettings(BaseModel):
     @classmethod
     def _host_port(cls, value: str) -> str:
         """host:port of one master, or etcd://host:port[;host:port...] of a high-availability group."""
-        for address in value.removeprefix("etcd://").split(";"):
-            host, sep, port = address.rpartition(":")
-            if not sep or not host or not port.isdigit():
-                raise ValueError("must be host:port (e.g. 127.0.0.1:50051) or etcd://host:port for an HA master")
+        master_endpoints(value)
         return value
 
     @field_validator("global_segment_size", "local_buffer_size", mode="before")

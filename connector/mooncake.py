@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from .calls import BoundedCalls, StoreError
-from .config import KVToolConfig
+from .config import KVToolConfig, master_endpoints
 from .backend import PutOutcome
 
 if TYPE_CHECKING:
@@ -143,11 +143,10 @@ def _check_reachable(address: str, timeout_s: float) -> None:
     """The master's RPC port, or for an HA group (``etcd://host:port;host:port``) any of its etcd
     endpoints, accepts a connection; a StoreError otherwise."""
     problems = []
-    for endpoint in address.removeprefix("etcd://").split(";"):
-        host, _, port = endpoint.rpartition(":")
+    for host, port in master_endpoints(address):
         try:
-            with socket.create_connection((host, int(port)), timeout=timeout_s):
+            with socket.create_connection((host, port), timeout=timeout_s):
                 return
         except OSError as exc:
-            problems.append(f"{endpoint}: {exc.strerror or exc}")
+            problems.append(f"{host}:{port}: {exc.strerror or exc}")
     raise StoreError(f"the Mooncake master at {address} is not reachable ({'; '.join(problems)})")

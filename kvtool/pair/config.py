@@ -15,7 +15,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from connector.config import KVToolConfig, divergence_grid
+from connector.config import HA_PREFIX, KVToolConfig, divergence_grid
+from connector.config import master_endpoints as connector_master_endpoints
 from kvtool.errors import UserError
 from kvtool.pair import profiles
 from kvtool.pair.procs import LOOPBACK
@@ -124,21 +125,21 @@ class ServePairConfig(BaseModel):
         return f"http://{LOOPBACK}:{self.port(role)}"
 
 
-HA_PREFIX = "etcd://"  # a master group in high-availability mode, named by its etcd endpoints
-
-
 def master_endpoints(address: str, flag: str) -> list[tuple[str, int]]:
-    """Where to reach a master: its RPC ``host:port``, or the etcd endpoints of an HA group
-    (``etcd://host:port;host:port``)."""
-    parts = address.removeprefix(HA_PREFIX).split(";") if address.startswith(HA_PREFIX) else [address]
-    return [parse_host_port(part, flag) for part in parts]
+    """Where to reach a master given with ``flag``: its RPC ``host:port``, or the etcd endpoints of an HA
+    group (``etcd://host:port;host:port``); a UserError naming the flag otherwise."""
+    try:
+        return connector_master_endpoints(address)
+    except ValueError as exc:
+        raise UserError(f"{flag} {address!r} {exc}") from None
 
 
 def parse_host_port(address: str, flag: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise UserError(f"{flag} {address!r} is not HOST:PORT; give it like 127.0.0.1:50051")
-    return host, int(port)
+    """One master's RPC ``host:port`` given with ``flag``; a UserError naming the flag otherwise."""
+    endpoints = master_endpoints(address, flag)
+    if address.startswith(HA_PREFIX):
+        raise UserError(f"{flag} {address!r} names an HA group; give one master's HOST:PORT, like 127.0.0.1:50051")
+    return endpoints[0]
 
 
 def default_log_dir() -> Path:
