@@ -139,8 +139,8 @@ def _check_mooncake(path: Path, content: dict[str, Any]) -> CheckedConfig:
     mode = content.get("mode", "embedded")
     if mode not in MOONCAKE_MODES:
         raise UserError(f"{path}: field 'mode' is {mode!r}; use one of {', '.join(MOONCAKE_MODES)}")
-    try:
-        segment = parse_size(content.get("global_segment_size", 0))
+    try:  # absent: both readers' default, which lends memory
+        segment = parse_size(content["global_segment_size"]) if "global_segment_size" in content else None
     except ValueError as exc:
         raise UserError(f"{path}: field 'global_segment_size': {exc}") from None
     if (mode == "standalone-store") != (segment == 0):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -67,6 +68,14 @@ class LocalMaster:
     def role(self) -> str | None:
         """In a high-availability group: ``leader`` or ``standby``; None if it does not say."""
         return open_admin(self.admin).role()
+
+    def wait_for_role(self, role: str, timeout_s: float = 90.0) -> None:
+        """Wait until this master of an HA group has ``role``; a ServerError past ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while self.role() != role:
+            if time.monotonic() > deadline:
+                raise ServerError(f"the master at {self.admin} did not become {role} in {timeout_s:.0f} s")
+            time.sleep(0.5)
 
     def stop(self) -> None:
         procs, self._procs, self._master = self._procs, None, None

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -21,15 +20,6 @@ from .test_restart import hits_again
 
 pytestmark = pytest.mark.e2e
 
-FAILOVER_TIMEOUT_S = 90.0
-
-
-def wait_for_role(master: LocalMaster, role: str, timeout_s: float = FAILOVER_TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while master.role() != role:
-        assert time.monotonic() < deadline, f"the master at {master.admin} did not become {role} in {timeout_s:.0f} s"
-        time.sleep(0.5)
-
 
 @pytest.fixture(scope="module")
 def ha_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict, LocalMaster, LocalMaster]]:
@@ -39,7 +29,7 @@ def ha_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict, Lo
     try:
         for name in ("master-a", "master-b"):
             masters.append(LocalMaster(workdir / f"{name}.log", ha_master_flags(etcd)).start())
-            wait_for_role(masters[-1], "leader" if name == "master-a" else "standby")
+            masters[-1].wait_for_role("leader" if name == "master-a" else "standby")
         with running_pair(workdir, "tiny", extra_args=("--master", f"etcd://{etcd.endpoint}")) as info:
             assert info["master"] == f"etcd://{etcd.endpoint}" and info["admin"] is None
             yield info, masters[0], masters[1]

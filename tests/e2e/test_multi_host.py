@@ -8,7 +8,6 @@ misses; when the link comes back, hits resume. Every namespace is removed at the
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import pytest
 from kvtool.model import ensure_default_model
 from kvtool.pair.config import ServePairConfig
 from kvtool.pair.engines import engine_argv, engine_env
-from kvtool.pair.procs import LOOPBACK, ManagedProcess, ProcessSet, http_ok, tcp_port_open
+from kvtool.pair.procs import LOOPBACK, ManagedProcess, ProcessSet, ReadinessCheck
 from kvtool.store.mooncake import find_binary, master_argv, mooncake_env, standalone_store_argv
 from tests.netns import Lab, can_make_namespaces
 
@@ -30,15 +29,9 @@ MASTER_PORT, ADMIN_PORT, STORE_PORT, ENGINE_PORT = 50051, 9003, 50052, 8000
 READY_TIMEOUT_S = 300.0
 
 
-def wait_until(lab: Lab, check, what: str, procs: ProcessSet, timeout_s: float = READY_TIMEOUT_S) -> None:
-    """Poll ``check`` from the client host until it passes; fail at once if a process died."""
-    deadline = time.monotonic() + timeout_s
-    while not lab.call_in("client", check):
-        dead = procs.first_dead()
-        if dead is not None:
-            pytest.fail(str(dead.died_error(f"before {what}")), pytrace=False)
-        assert time.monotonic() < deadline, f"{what} did not happen in {timeout_s:.0f} s"
-        time.sleep(0.5)
+def asked_from_the_client(lab: Lab, **check) -> ReadinessCheck:
+    """A readiness check the client host asks (the root namespace has no address in the lab)."""
+    return ReadinessCheck(**check, through=lambda ask: lab.call_in("client", ask))
 
 
 def engine(lab: Lab, procs: ProcessSet, cfg: ServePairConfig, role: str, address: str) -> ManagedProcess:
@@ -52,7 +45,8 @@ def engine(lab: Lab, procs: ProcessSet, cfg: ServePairConfig, role: str, address
     argv[at] = json.dumps(transfer)
     env = engine_env(cfg, role)  # type: ignore[arg-type]
     env.update({"VLLM_HOST_IP": address, "MC_TCP_BIND_ADDRESS": address})
-    return procs.start(role, lab.command(role, argv), env=env, cwd=Path(__file__).resolve().parents[2])
+    ready = asked_from_the_client(lab, http_url=f"http://{address}:{ENGINE_PORT}/health")
+    return procs.start(role, lab.command(role, argv), env=env, readiness=ready, cwd=Path(__file__).resolve().parents[2])
 
 
 def bound_to(address: str) -> dict[str, str]:
@@ -80,23 +74,20 @@ def hosts(lab: Lab, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     procs = ProcessSet(workdir)
     try:
         master_command = master_argv(MASTER_PORT, ADMIN_PORT, find_binary("mooncake_master"), host=master)
-        procs.start("master", lab.command("master", master_command), env=bound_to(master))
         admin = f"http://{master}:{ADMIN_PORT}"
-        wait_until(lab, lambda: http_ok(f"{admin}/health"), "the master was healthy", procs)
+        ready = asked_from_the_client(lab, http_url=f"{admin}/health")
+        procs.wait_ready([procs.start("master", lab.command("master", master_command), bound_to(master), ready)], 60)
         store_command = standalone_store_argv(
             f"{master}:{MASTER_PORT}", STORE_PORT, 512 << 20, find_binary("mooncake_client"), host=store
         )
-        procs.start("store", lab.command("store", store_command), env=bound_to(store))
-        wait_until(lab, lambda: tcp_port_open(STORE_PORT, store), "the store listened", procs)
+        ready = asked_from_the_client(lab, tcp_port=STORE_PORT, tcp_host=store)
+        procs.wait_ready([procs.start("store", lab.command("store", store_command), bound_to(store), ready)], 60)
         cfg = ServePairConfig(
             model=ensure_default_model(preset="tiny"), log_dir=workdir, external_master=f"{master}:{MASTER_PORT}",
             store="standalone", ready_file=None,
         )  # fmt: skip
-        for role in ("producer", "consumer"):
-            engine(lab, procs, cfg, role, addresses[role])
-        for role in ("producer", "consumer"):
-            url = f"http://{addresses[role]}:{ENGINE_PORT}"
-            wait_until(lab, lambda url=url: http_ok(f"{url}/health"), f"the {role} was healthy", procs)
+        engines = [engine(lab, procs, cfg, role, addresses[role]) for role in ("producer", "consumer")]
+        procs.wait_ready(engines, READY_TIMEOUT_S)
         yield {
             "producer": f"http://{addresses['producer']}:{ENGINE_PORT}",
             "consumer": f"http://{addresses['consumer']}:{ENGINE_PORT}",

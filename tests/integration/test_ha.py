@@ -22,22 +22,14 @@ from tests.master import LOOPBACK
 FAILOVER_TRIES = 120  # calls, each bounded by the store's time-outs, half a second apart
 
 
-def wait_for_role(master: LocalMaster, role: str, tries: int = 120) -> None:
-    for _ in range(tries):
-        if master.role() == role:
-            return
-        time.sleep(0.5)
-    pytest.fail(f"the master at {master.admin} did not become {role}")
-
-
 @pytest.fixture
 def ha_group(tmp_path):
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", LOOPBACK)
     etcd = LocalEtcd().start()
     first = LocalMaster(tmp_path / "master-a.log", ha_master_flags(etcd)).start()
-    wait_for_role(first, "leader")  # the first to start leads
+    first.wait_for_role("leader")  # the first to start leads
     second = LocalMaster(tmp_path / "master-b.log", ha_master_flags(etcd)).start()
-    wait_for_role(second, "standby")
+    second.wait_for_role("standby")
     try:
         yield etcd, first, second
     finally:

@@ -69,6 +69,7 @@ BAD = {
     "extra.json": ({"master_server_address": "127.0.0.1:1", "hash_unt": 2}, "unknown field 'hash_unt'"),
     "mode.json": ({"master_server_address": "127.0.0.1:1", "mode": "standalone-store", "global_segment_size": 5},
                   "needs global_segment_size 0"),
+    "lends.json": ({"master_server_address": "127.0.0.1:1", "mode": "standalone-store"}, "needs global_segment_size 0"),
     "list.json": ([1], "must hold an object"),
     "vllm.json": ({"kv_connector": "KVToolConnector", "kv_role": "kv_both", "kv_buffer_size": 1}, "'kv_buffer_size'"),
     "broken.json": ("{", "is not valid JSON"),
@@ -85,6 +86,11 @@ def test_a_bad_file_is_one_sentence_naming_the_field_exit_2(tmp_path, name):
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in result.output, result.output
     assert expected in result.output.replace("\n", ""), result.output
+
+
+def test_a_mooncake_file_without_a_segment_size_lends_the_readers_default(tmp_path):
+    (tmp_path / "m.json").write_text('{"master_server_address": "127.0.0.1:1", "mode": "embedded"}')
+    assert check_config_file(tmp_path / "m.json").kind == "mooncake"
 
 
 def test_a_file_of_no_known_kind_asks_for_kind(tmp_path):
