@@ -112,7 +112,6 @@ class Saver:
         self.area = area
         self._drain_timeout_s = drain_timeout_s
         self._queue: queue.Queue[SaveJob | None] = queue.Queue()
-        self._lock = threading.Lock()
         self._stop_by: float | None = None  # after this, the put thread drops what is left
         self.stats = Counters()
         self._warn_once = WarnOnce(logger)

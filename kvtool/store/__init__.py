@@ -3,7 +3,7 @@
 - ``mooncake``: the Mooncake master's and standalone store's command lines, environment and client
   config files (and LMCache's server, the other store process a pair may start).
 - ``master``: a loopback ``mooncake_master`` on free ports, started and stopped by pid (tests and
-  benchmarks).
+  benchmarks), and a loopback etcd for a master group in high-availability mode.
 - ``admin``: the master's HTTP admin API (keys, object sizes, metrics), behind ``StoreAdmin``, and
   waiting for a key (a save's durability).
 
