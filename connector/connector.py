@@ -93,7 +93,7 @@ class KVToolConnector(KVConnectorBase_V1, SupportsHMA):
             )
         else:
             self._worker = WorkerSide(
-                namespace,
+                _worker_namespace(namespace) if self.layout is not None else namespace,
                 self._store,
                 self.config,
                 saves_enabled=saves_enabled or answers_enabled,
@@ -270,3 +270,15 @@ def _placeholder_namespace():
     return Namespace(
         model="disabled", dtype="none", kv_layout="none", block_size=1, num_layers=0, num_kv_heads=0, head_size=0
     )
+
+
+def _worker_namespace(namespace):
+    """A worker's namespace: the engine's, with its own TP rank (each rank stores its share of the KV
+    heads under its own keys, ``connector.ranks``)."""
+    from .ranks import rank_namespace
+
+    if namespace.tp_size == 1:
+        return namespace
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return rank_namespace(namespace, get_tensor_model_parallel_rank())

@@ -38,6 +38,8 @@ class FaultPlan(BaseModel):
     fail_get: bool = False  # loads find nothing (the segment's owner is gone)
     corrupt_get: Literal["flip", "truncate", "namespace"] | None = None  # what loads read back
     get_kinds: tuple[Literal["b", "t", "s", "p"], ...] = ("b", "t", "s")  # which objects corrupt_get spoils
+    # Which namespaces' objects corrupt_get spoils (empty: all): one TP rank's, to fail that rank only.
+    get_namespaces: tuple[str, ...] = ()
     put_outcome: Literal["no_space", "failed"] | None = None
     put_kinds: tuple[Literal["b", "t", "s", "p", "w"], ...] = ("b", "t", "s", "p", "w")  # which put_outcome hits
 
@@ -72,6 +74,13 @@ def corrupt_in_place(view: memoryview, count: int, how: str) -> int:
         return count // 2
     view[8:24] = bytes(b ^ 0xFF for b in view[8:24])
     return count
+
+
+def _spoiled(plan: FaultPlan, key: str) -> bool:
+    """Whether ``corrupt_get`` spoils the object under ``key``."""
+    parts = key.split("/")
+    namespace = parts[2] if len(parts) > 2 else ""
+    return _kind_of(key) in plan.get_kinds and (not plan.get_namespaces or namespace in plan.get_namespaces)
 
 
 class FaultyStore:
@@ -125,7 +134,7 @@ class FaultyStore:
         if plan.corrupt_get is None:
             return values
         return [
-            corrupt(v, plan.corrupt_get) if v is not None and _kind_of(k) in plan.get_kinds else v
+            corrupt(v, plan.corrupt_get) if v is not None and _spoiled(plan, k) else v
             for k, v in zip(keys, values, strict=True)
         ]
 
@@ -152,7 +161,7 @@ class FaultyStore:
         if plan.corrupt_get is None:
             return counts
         return [
-            corrupt_in_place(region.view, count, plan.corrupt_get) if _kind_of(key) in plan.get_kinds else count
+            corrupt_in_place(region.view, count, plan.corrupt_get) if _spoiled(plan, key) else count
             for key, region, count in zip(keys, regions, counts, strict=True)
         ]
 

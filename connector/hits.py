@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from .ranks import keys_on_every_rank
+
 
 @dataclass(frozen=True)
 class HitDetails:
@@ -42,6 +44,9 @@ class HitDetails:
     # Where its first step went: {mark: [ms, scheduler steps] since the connector first saw it}, marks
     # "answered" (lookup), "load_sent", "load_done", "computing" (connector.timeline).
     timeline: dict[str, list[float]] | None = None
+    # With tensor parallelism, every rank's namespace (rank 0 first: the one the keys above name); each
+    # rank saves its share of the KV under its own (``connector.ranks``). Empty for one rank.
+    tp_namespaces: tuple[str, ...] = ()
     # Only in request-log records: the vLLM request id and the client's kvtool_tag.
     request_id: str | None = None
     tag: str | None = None
@@ -51,8 +56,16 @@ class HitDetails:
         """Prompt tokens not computed: vLLM's local hit plus what the connector loaded."""
         return self.local_hit_tokens + self.external_hit_tokens
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tp_namespaces", tuple(self.tp_namespaces))  # JSON gives a list
+
+    def on_every_rank(self, key: str) -> list[str]:
+        """One of the keys above as every TP rank names it (a save is durable when all of them are stored)."""
+        return keys_on_every_rank(key, self.tp_namespaces or (self.namespace,))
+
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
+        data["tp_namespaces"] = list(self.tp_namespaces)
         if self.request_id is None and self.tag is None:
             del data["request_id"], data["tag"]
         return data

@@ -128,8 +128,9 @@ def engine_layout(
     if len(block_sizes) != 1:
         raise UnsupportedLayout(f"KV cache groups of different block sizes ({sorted(block_sizes)})")
     parallel = vllm_config.parallel_config
-    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
-        raise UnsupportedLayout("tensor or pipeline parallelism above 1 is not supported yet")
+    if parallel.pipeline_parallel_size != 1:
+        # A rank then holds some layers' KV of the prompt: not what a namespace per TP rank describes.
+        raise UnsupportedLayout("pipeline parallelism above 1 is not supported yet")
     # The namespace names the first attention group's layout; a hybrid model adds every group's.
     attention = next((g for g in specs if isinstance(g.kv_cache_spec, AttentionSpec)), None)
     if attention is None:
@@ -156,7 +157,7 @@ def engine_layout(
         num_kv_heads=spec.num_kv_heads,
         head_size=spec.head_size,
         tp_size=parallel.tensor_parallel_size,
-        tp_rank=0,
+        tp_rank=0,  # the scheduler side's; each worker names its own (connector.ranks)
         cache_group=0,
         weights_digest=weights_digest,
         model_identity=model_identity(vllm_config, weights_digest),

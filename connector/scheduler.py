@@ -18,6 +18,7 @@ from .calls import BoundedCalls
 from .lookups import POINTER_READ_SHARE, LookupBatcher, Outcome, pointer_reader
 from .prefix import ObjectRef, plan_load, plan_save, single_group
 from .profit import HitJudge
+from .ranks import on_every_rank, rank_components
 from .search import StoredPrefix
 from .store import KVStore, StoreError
 from .saveplans import add_state_saves, last_put_key, save_transfer, state_transfers
@@ -75,12 +76,14 @@ class SchedulerSide:
         lead = lead_pointers(config, self._block_size) and not self._has_state_group
         self._space = KeySpace(self._block_size, config.hash_unit, self._namespace, self._groups, self._grid, lead)
         self._tracked: dict[str, TrackedRequest] = {}
+        self._ranks = rank_components(namespace)  # every TP rank's namespace, rank 0 (this side's) first
         self._pending_loads: list[RequestLoad] = []
         self._warn_once = WarnOnce(logger)
         self.stats = Counters()
         self._lookups = (
             LookupBatcher(
-                store.exists,
+                # With tensor parallelism a prefix is stored only where every rank's worker holds it.
+                on_every_rank(store.exists, self._ranks),
                 config.lookup_timeout_s,
                 calls=lookup_calls,
                 read=pointer_reader(store, config.lookup_timeout_s * POINTER_READ_SHARE, self._block_size),
@@ -440,7 +443,7 @@ class SchedulerSide:
         if answer is not None:
             self._pending_saves.append(answer)
             self._holding.add(request.request_id)
-        details = tracked.hit_details()
+        details = tracked.hit_details(self._ranks)
         if self._request_log is not None:
             self._request_log.write(request, details)
         return answer is not None, {"kvtool": details.to_dict()}

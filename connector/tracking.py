@@ -114,8 +114,9 @@ class TrackedRequest:
         self.save_scheduled = False  # the new prompt is saved when it is complete
         return True
 
-    def hit_details(self) -> HitDetails:
-        """The request's hit details, as its response and the request log carry them."""
+    def hit_details(self, tp_namespaces: tuple[str, ...] = ()) -> HitDetails:
+        """The request's hit details, as its response and the request log carry them (``tp_namespaces``:
+        every TP rank's namespace, named only for more than one)."""
         tracked = self
         plan = tracked.plan
         local = tracked.local_tokens
@@ -152,6 +153,7 @@ class TrackedRequest:
             load_skipped=tracked.load_skipped,
             pointer_read_failed=tracked.stored is not None and tracked.stored.pointer_read_failed,
             timeline=tracked.timeline.to_dict() if tracked.timeline is not None else None,
+            tp_namespaces=tp_namespaces if len(tp_namespaces) > 1 else (),
         )
 
 

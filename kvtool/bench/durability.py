@@ -28,7 +28,7 @@ class Durability:
     def published(self, response: dict[str, Any]) -> int | None:
         """Note a producer response; returns the number of objects it saves when the connector says."""
         details = HitDetails.from_response(response)
-        self._expect(details.save_last_key if details else None, signalled=details is not None)
+        self._expect(details.save_last_key if details else None, signalled=details is not None, details=details)
         return details.save_objects if details else None
 
     def answered(self, record: HitDetails | None) -> None:
@@ -36,12 +36,15 @@ class Durability:
         ``answer_last_key`` (none: it saved no answer), else by the fallback when the consumer saves
         at all (roles both; a kv_consumer never does)."""
         last_key = record.answer_last_key if record else None
-        self._expect(last_key, signalled=record is not None, saves=self._pair.roles == "both")
+        self._expect(last_key, signalled=record is not None, saves=self._pair.roles == "both", details=record)
 
-    def _expect(self, last_key: str | None, signalled: bool, saves: bool = True) -> None:
-        """A save to wait for: its last key when the connector gives one, else the key-count fallback."""
+    def _expect(
+        self, last_key: str | None, signalled: bool, saves: bool = True, details: HitDetails | None = None
+    ) -> None:
+        """A save to wait for: its last key (on every TP rank) when the connector gives one, else the
+        key-count fallback."""
         if last_key:
-            self._pending_keys.append(last_key)
+            self._pending_keys += details.on_every_rank(last_key) if details is not None else [last_key]
         elif not signalled and saves and profile(self._pair.connector).durability in ("key_count", "settle"):
             self._pending_unsignalled = True
 

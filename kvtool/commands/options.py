@@ -239,6 +239,13 @@ class PairOptions:
     ] = 0.3
     dtype: Annotated[str, _pair("vLLM --dtype (float32 keeps logprob comparisons exact)")] = "float32"
     enforce_eager: Annotated[bool, _pair("pass --enforce-eager to vLLM (no compilation)")] = False
+    tensor_parallel_size: Annotated[
+        int,
+        _pair(
+            "vLLM --tensor-parallel-size of each engine; each rank saves and loads its share of the KV under "
+            "keys of its own, and a consumer loads what a producer of the same size saved"
+        ),
+    ] = 1
     max_num_batched_tokens: Annotated[
         int | None,
         _pair(
@@ -365,6 +372,7 @@ class PairOptions:
                 memory_utilization=self.memory_utilization,
                 dtype=self.dtype,
                 enforce_eager=self.enforce_eager,
+                tensor_parallel_size=self.tensor_parallel_size,
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 startup_timeout_s=self.startup_timeout,
                 fault_control_file=self.fault_control_file.resolve() if self.fault_control_file else None,

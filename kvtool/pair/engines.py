@@ -87,6 +87,8 @@ def engine_argv(cfg: ServePairConfig, role: Role, python: str = sys.executable) 
     ]
     if cfg.enforce_eager:
         argv.append("--enforce-eager")
+    if cfg.tensor_parallel_size > 1:
+        argv += ["--tensor-parallel-size", str(cfg.tensor_parallel_size), "--distributed-executor-backend", "mp"]
     transfer = kv_transfer_config(cfg, role)
     saves = transfer is not None and kv_role_for(cfg, role) != "kv_consumer"
     argv += cfg.saving_engine_args if saves and cfg.saving_engine_args else cfg.engine_args
@@ -109,16 +111,34 @@ def cpu_halves(cpus: list[int] | None = None) -> tuple[str, str]:
     return ",".join(map(str, cpus[:half])), ",".join(map(str, cpus[half:]))
 
 
+def rank_binding(cpus: str, ranks: int, usable: list[int] | None = None) -> str:
+    """vLLM's CPU thread binding for an engine of ``ranks`` TP ranks given its core list: one list per
+    rank, split by ``|``. With fewer cores than ranks each rank takes one of the machine's usable cores
+    (two engines then share them)."""
+    if ranks == 1:
+        return cpus
+    if usable is None:
+        usable = (
+            sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+        )
+    own = [int(cpu) for cpu in cpus.split(",")] if cpus != "all" else usable
+    if len(own) < ranks:
+        own = usable if len(usable) >= ranks else [usable[rank % len(usable)] for rank in range(ranks)]
+    share = len(own) // ranks
+    return "|".join(",".join(map(str, own[rank * share : (rank + 1) * share])) for rank in range(ranks))
+
+
 def engine_env(cfg: ServePairConfig, role: Role, base: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
     producer_cpus, consumer_cpus = cpu_halves()
+    cpus = rank_binding(producer_cpus if role == "producer" else consumer_cpus, cfg.tensor_parallel_size)
     env.update(
         {
             # Without these vLLM's and Mooncake's sockets advertise the machine's LAN address.
             "VLLM_HOST_IP": LOOPBACK,
             "MC_TCP_BIND_ADDRESS": LOOPBACK,
             "VLLM_CPU_KVCACHE_SPACE": f"{cfg.kv_cache_gib:g}",
-            "VLLM_CPU_OMP_THREADS_BIND": producer_cpus if role == "producer" else consumer_cpus,
+            "VLLM_CPU_OMP_THREADS_BIND": cpus,
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
             "VLLM_NO_USAGE_STATS": "1",

@@ -68,7 +68,8 @@ def wait_save_ended(pair: dict, details: HitDetails, timeout_s: float = 60.0) ->
     key = details.watermark_key
     assert key, f"the producer published nothing: {details}"
     store = open_admin(pair["admin"])
-    assert wait_for_key(store, key, timeout_s), f"{key} did not appear in the store in {timeout_s} s"
+    for ranked in details.on_every_rank(key):  # a TP engine's ranks each write their own
+        assert wait_for_key(store, ranked, timeout_s), f"{ranked} did not appear in the store in {timeout_s} s"
 
 
 def produce(pair: dict, tokens: list[int], expect_stored: bool = True) -> HitDetails:
@@ -77,7 +78,8 @@ def produce(pair: dict, tokens: list[int], expect_stored: bool = True) -> HitDet
     wait_save_ended(pair, details)
     if expect_stored:
         store = open_admin(pair["admin"])
-        assert wait_for_key(store, details.save_last_key, 0), "the save ended without its last object"
+        for ranked in details.on_every_rank(details.save_last_key):
+            assert wait_for_key(store, ranked, 0), "the save ended without its last object"
     return details
 
 

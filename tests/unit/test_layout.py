@@ -126,3 +126,27 @@ def test_the_worker_refuses_layers_laid_out_otherwise_than_the_namespace_says(mo
     check_attention_layout(engine("vec"), layout)
     with pytest.raises(UnsupportedLayout, match="amx"):
         check_attention_layout(engine("amx"), layout)
+
+
+def test_tensor_parallel_engines_key_by_their_tp_size_and_pipeline_parallelism_is_refused():
+    """A TP engine's layout names rank 0 (the scheduler side's; each worker names its own rank) and
+    the TP size, so engines of another TP size, whose ranks hold other heads, never share its keys."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from connector.layout import UnsupportedLayout, engine_layout
+
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=1, head_size=64, dtype=torch.float32)
+    kv_cache_config = SimpleNamespace(
+        kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=["l0", "l1"])], kv_cache_layout=None
+    )
+
+    def layout(tp, pp=1):
+        cfg = vllm_config()
+        cfg.parallel_config = SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp)
+        return engine_layout(cfg, kv_cache_config, None, "")
+
+    one, two = layout(1).namespace, layout(2).namespace
+    assert (two.tp_size, two.tp_rank) == (2, 0)
+    assert one.key_component() != two.key_component()
+    with pytest.raises(UnsupportedLayout, match="pipeline parallelism"):
+        layout(1, pp=2)

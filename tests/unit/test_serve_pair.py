@@ -15,6 +15,7 @@ from kvtool.files import write_json_atomically
 from kvtool.pair.config import ServePairConfig
 from kvtool.pair.engines import (
     cpu_halves,
+    rank_binding,
     engine_argv,
     engine_env,
     kv_transfer_config,
@@ -419,3 +420,17 @@ def test_max_num_batched_tokens_sets_the_engines_prefill_chunk(tmp_path, monkeyp
         assert flag_value(engine_argv(cfg, role), "--max-num-batched-tokens") == "64"
     with pytest.raises(UserError, match="mamba preset"):
         PairOptions(model_preset="mamba", log_dir=tmp_path, max_num_batched_tokens=128).config(report=lambda _: None)
+
+
+def test_tensor_parallel_engines_bind_one_core_list_per_rank(tmp_path):
+    cfg = make_config(tmp_path, tensor_parallel_size=2)
+    argv = engine_argv(cfg, "consumer", python="python")
+    assert flag_value(argv, "--tensor-parallel-size") == "2"
+    assert flag_value(argv, "--distributed-executor-backend") == "mp"
+    assert engine_env(cfg, "consumer", base={})["VLLM_CPU_OMP_THREADS_BIND"].count("|") == 1
+    assert "--tensor-parallel-size" not in engine_argv(make_config(tmp_path), "consumer", python="python")
+    assert rank_binding("0,1", 1) == "0,1"
+    assert rank_binding("0,1,2,3", 2) == "0,1|2,3"
+    assert rank_binding("0", 2, usable=[0, 1]) == "0|1"  # fewer cores than ranks: the machine's, shared
+    assert rank_binding("all", 2, usable=[0, 1, 2, 3]) == "0,1|2,3"
+    assert rank_binding("0", 2, usable=[0]) == "0|0"

@@ -75,6 +75,10 @@ def test_faults_wrap_the_zero_copy_batches_too(tmp_path):
     assert read()[0] == 16  # what a torn read reports; the object check rejects it
     plan.write_text(json.dumps({"corrupt_get": "flip", "get_kinds": ["b"]}))
     assert read()[0] == 32 and lease.region(0, 32).view[31] == 30
+    plan.write_text(json.dumps({"corrupt_get": "flip", "get_namespaces": ["other"]}))  # another TP rank's
+    assert read()[0] == 32 and lease.region(0, 32).view[31] == 31
+    plan.write_text(json.dumps({"corrupt_get": "flip", "get_namespaces": ["ns"]}))
+    assert read()[0] == 32 and lease.region(0, 32).view[31] == 30
     plan.write_text(json.dumps({"fail_get": True}))
     assert all(count <= 0 for count in read())
     plan.write_text(json.dumps({"put_outcome": "no_space", "put_kinds": ["t"]}))

@@ -1,0 +1,82 @@
+"""Tensor parallelism: a producer and a consumer of TP size 2 (vLLM's CPU backend runs it, one core a
+rank), each rank saving and loading its share of the KV heads under keys of its own.
+
+A consumer loads what every rank of the producer saved, partial tail included, and answers as a
+recomputation does. A prefix that one rank lacks is not a hit (the lookup asks every rank's key),
+and a load that fails on one rank only is recomputed by the whole engine (vLLM aggregates the ranks'
+failed loads): a miss, never half of the heads loaded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from connector.hashing import RequestIdentity
+from connector.keys import decode_key
+from connector.prefix import PromptKeys
+from connector.ranks import keys_on_every_rank
+from kvtool.store.admin import open_admin
+
+from .conftest import running_pair
+from .pairtools import consume, faults, produce, prompt, remove
+
+pytestmark = pytest.mark.e2e
+
+TP = 2
+LENGTH = 75  # two full blocks of 32 and a tail of 11: every object kind a prompt save has
+
+
+@pytest.fixture(scope="module")
+def tp_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    with running_pair(tmp_path_factory.mktemp("tp2"), extra_args=("--tensor-parallel-size", str(TP))) as info:
+        yield info
+
+
+def _keys(pair: dict, tokens: list[int], namespace: str) -> PromptKeys:
+    return PromptKeys.build(tokens, pair["block_size"], pair["hash_unit"], namespace, RequestIdentity().root_hash())
+
+
+def test_every_rank_saves_its_share_and_a_consumer_loads_them_all(tp_pair):
+    tokens = prompt(9101, LENGTH)
+    saved = produce(tp_pair, tokens)  # waits for every rank's final watermark record
+    assert len(saved.tp_namespaces) == TP and saved.tp_namespaces[0] == saved.namespace
+    admin = open_admin(tp_pair["admin"])
+    keys = _keys(tp_pair, tokens, saved.namespace)
+    for key in (keys.block_key(0), keys.block_key(1), keys.tail_key(LENGTH)):
+        on_ranks = keys_on_every_rank(key, saved.tp_namespaces)
+        assert len(set(on_ranks)) == TP and all(admin.exists(k) for k in on_ranks), on_ranks
+        assert {decode_key(k).namespace for k in on_ranks} == set(saved.tp_namespaces)
+
+    details, _ = consume(tp_pair, tokens)  # checked against a recomputation (logprobs)
+    assert details.lookup == "hit" and details.load_failure is None
+    assert details.external_hit_tokens == LENGTH - 1  # vLLM computes the last prompt token itself
+    assert details.tail_hit_tokens == LENGTH - 1 - 2 * tp_pair["block_size"]
+
+
+def test_a_prefix_one_rank_lacks_is_not_a_hit(tp_pair):
+    tokens = prompt(9102, LENGTH)
+    saved = produce(tp_pair, tokens)
+    keys = _keys(tp_pair, tokens, saved.namespace)
+    remove(tp_pair, keys_on_every_rank(keys.block_key(1), saved.tp_namespaces)[1])  # rank 1's second block
+
+    details, _ = consume(tp_pair, tokens)
+    # Rank 0 still holds the whole prompt; only the first block is stored on both ranks.
+    assert details.external_hit_tokens == tp_pair["block_size"], details
+
+
+def test_a_load_that_fails_on_one_rank_only_is_recomputed(tp_pair):
+    tokens = prompt(9103, LENGTH)
+    saved = produce(tp_pair, tokens)
+    with faults(tp_pair, corrupt_get="flip", get_namespaces=[saved.tp_namespaces[1]]):
+        details, _ = consume(tp_pair, tokens)  # rank 0's objects load; rank 1's fail their checksum
+    assert details.lookup.startswith("load failed") and details.load_failure == "checksum", details
+    assert details.external_hit_tokens == 0
+
+    # The same prompt again, the fault gone: the consumer's own cache holds the full blocks it
+    # recomputed, and the tail loads from both ranks.
+    details, _ = consume(tp_pair, tokens)
+    assert details.reused_tokens == LENGTH - 1 and details.external_hit_tokens > 0, details
+    assert details.load_failure is None
