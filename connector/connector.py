@@ -65,9 +65,9 @@ class KVToolConnector(KVConnectorBase_V1, SupportsHMA):
 
         self.layout: EngineLayout | None = None
         try:
-            if current_platform.device_type != "cpu":
+            if current_platform.device_type not in ("cpu", "cuda"):
                 raise UnsupportedLayout(
-                    f"the KV cache is on {current_platform.device_type}; this version moves KV on the CPU only"
+                    f"the KV cache is on {current_platform.device_type}; kvtool moves KV on the CPU and on CUDA"
                 )
             self.layout = engine_layout(vllm_config, kv_cache_config, self.config.model_id, self.config.weights_digest)
         except UnsupportedLayout as exc:

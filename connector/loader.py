@@ -31,7 +31,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 
 from .calls import BoundedCalls, StoreBusy, StoreError
@@ -151,6 +151,7 @@ class Loader:
         area: StagingArea | None = None,
         clock: Callable[[], float] = time.monotonic,
         calls: BoundedCalls | None = None,
+        copies: Callable[[], AbstractContextManager[None]] | None = None,
     ):
         self._store = store
         self._key_of = key_of
@@ -160,6 +161,9 @@ class Loader:
         self.area = area  # set when the worker knows its block size (register_kv_caches)
         self._clock = clock
         self._calls = calls or BoundedCalls("kvtool-load", limit=LOAD_THREADS)
+        # Around a load's copies into the KV cache: on a device, they have completed when it ends
+        # (``devicecopy.CopyStream.loading``); on the CPU each copy is done when it returns.
+        self._copies = copies or nullcontext
         self._in_flight: dict[str, _InFlight] = {}
         self._queue: deque[_InFlight] = deque()  # planned, waiting for bytes or a thread
         self._oversize_held = 0  # leases of their own, larger than the area, not yet returned
@@ -227,7 +231,7 @@ class Loader:
         def timed() -> Fetched:
             start = time.perf_counter()
             fetched = fetch(store, entry.load.transfers, self._key_of, self._header_of, lease,
-                          lambda: _copying(entry, self._write_block))  # fmt: skip
+                          lambda: _copying(entry, self._write_block, self._copies))  # fmt: skip
             if fetched.failure is None:
                 fetched = replace(fetched, counts=_loaded_counts(entry.load, fetched))
             return replace(fetched, seconds=time.perf_counter() - start)
@@ -317,16 +321,25 @@ class Loader:
 
 
 @contextmanager
-def _copying(entry: _InFlight, write: Callable[[BlockTransfer, memoryview], None]) -> Iterator[Delivery | None]:
+def _copying(
+    entry: _InFlight,
+    write: Callable[[BlockTransfer, memoryview], None],
+    copies: Callable[[], AbstractContextManager[None]],
+) -> Iterator[Delivery | None]:
     """The load's gate held while its objects are checked and copied: no delivery once it is abandoned;
-    ``applied`` once every object was copied (a failed check leaves it unset: the load failed)."""
+    ``applied`` once every object was copied and the copies completed (``copies`` ended; a failed
+    check, or copies that failed, leave it unset: the load failed)."""
     with entry.gate:
         if entry.abandoned:
             yield None
             return
         delivery = Delivery(write)
         try:
-            yield delivery
+            with copies():
+                yield delivery
+        except BaseException:
+            delivery.complete = False
+            raise
         finally:
             entry.applied = delivery.complete
 

@@ -23,6 +23,7 @@ from .calls import StoreError
 from .data import RequestSave
 from .keys import KeyKind
 from .counters import Counters, WarnOnce
+from .devicecopy import Fence
 from .objects import ObjectHeader, seal_object
 from .staging import Lease, Region, StagingArea
 from .store import KVStore, PutOutcome
@@ -59,8 +60,17 @@ class ObjectCopy:
 class SaveJob:
     """One request's save: its objects' progress in prompt order (full blocks, then the tail)."""
 
-    def __init__(self, save: RequestSave, copies: list[ObjectCopy], watermark_key: Callable[[int], str], lease: Lease):
+    def __init__(
+        self,
+        save: RequestSave,
+        copies: list[ObjectCopy],
+        watermark_key: Callable[[int], str],
+        lease: Lease,
+        copied: Fence | None = None,
+    ):
         self.save = save
+        # On a device the copies were queued on a stream: the put thread waits for them (``devicecopy``).
+        self.copied = copied
         self.copies = copies
         self.watermark_key = watermark_key
         self.lease = lease  # the slots the copies are in; released once their put has returned
@@ -159,6 +169,8 @@ class Saver:
                 job.release_lease()  # a no-op when _run gave it up
 
     def _run(self, job: SaveJob) -> None:
+        if job.copied is not None:
+            job.copied.wait()
         try:
             self._put_record(job, SEQ_PENDING)
             copies = job.in_put_order()

@@ -124,7 +124,7 @@ class StagingArea:
         not registered with the store: slower, and on RDMA it fails, which is a miss); ``given_back``
         runs when it is released."""
         self.oversize += 1
-        memory = torch.empty(self.slot_bytes * count, dtype=torch.uint8)
+        memory = torch.empty(self.slot_bytes * count, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
         return Lease(memory, [i * self.slot_bytes for i in range(count)], self.slot_bytes, given_back)
 
     def _put_back(self, slots: list[int]) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
+from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 
 import torch
@@ -23,6 +24,7 @@ from .blockcopy import BlockRows
 from .breaker import CircuitBreaker
 from .calls import BoundedCalls
 from .counters import Counters, WarnOnce
+from .devicecopy import CopyStream, DeviceOps, Fence, block_major, device_ops_for
 from .config import KVToolConfig
 from .data import BlockTransfer, KVToolMetadata, KVToolWorkerMeta, RequestSave
 from .keys import KeyKind, Namespace, object_key, watermark_key
@@ -77,8 +79,12 @@ class WorkerSide:
             write_block=self._write_block,
             timeout_s=config.load_timeout_s,
             calls=load_calls,
+            copies=self._loading,
         )
         self._saver: Saver | None = None
+        # On a device (CUDA): the copy streams of saves and loads (``devicecopy``); None on the CPU.
+        self._save_stream: CopyStream | None = None
+        self._load_stream: CopyStream | None = None
 
     # -- set-up -------------------------------------------------------------------------------------
 
@@ -88,6 +94,7 @@ class WorkerSide:
         group_layers: list[list[str]],
         num_blocks: int,
         layouts: tuple[str | None, ...] = (),
+        device_ops: DeviceOps | None = None,
     ) -> None:
         """The cache tensors of every group's layers. Each tensor has the blocks in its first dimension
         (a Mamba layer may have several: its conv and SSM states); a block is copied whole, but for a
@@ -101,10 +108,15 @@ class WorkerSide:
                 if value is None:
                     raise ValueError(f"no KV cache tensor for layer {name}")
                 for tensor in value if isinstance(value, (list, tuple)) else [value]:
-                    _check_tensor(name, tensor, num_blocks)
-                    tensors.append(tensor)
+                    try:
+                        tensors += block_major(tensor, num_blocks)
+                    except ValueError as exc:
+                        raise ValueError(f"layer {name}: {exc}") from None
             groups.append(tensors)
         self._groups = groups
+        ops = device_ops or device_ops_for([t for tensors in groups for t in tensors])
+        if ops is not None:  # the engine's thread: its current stream is the compute stream
+            self._save_stream, self._load_stream = CopyStream(ops), CopyStream(ops)
         # Per cache start address, the view spanning the most bytes a block (repair_block_copies).
         widest: dict[int, torch.Tensor] = {}
         for tensor in (t for tensors in groups for t in tensors):
@@ -113,7 +125,7 @@ class WorkerSide:
                 widest[tensor.data_ptr()] = tensor
         self._widest_views = tuple(widest.values())
         self._group_bytes = [sum(t[0].numel() * t.element_size() for t in tensors) for tensors in groups]
-        self._rows = [BlockRows.of(tensors) for tensors in groups]
+        self._rows = [BlockRows.of(tensors, queued=ops is not None) for tensors in groups]
         # Per group: bytes a token takes across its layers, where its blocks are cut per token (else 0).
         self._token_bytes = [
             sum(token_bytes(t[0]) for t in tensors)
@@ -231,6 +243,8 @@ class WorkerSide:
 
     def start_load_kv(self, meta: KVToolMetadata) -> None:
         """Start this step's loads in the background (a worker without a store fails them at once)."""
+        if self._load_stream is not None and meta.loads:
+            self._load_stream.note_compute()  # the engine's thread: what a load's copies must follow
         for load in meta.loads:
             if load.failure is not None:
                 self._loader.fail(load, "unloadable", load.failure)
@@ -328,13 +342,20 @@ class WorkerSide:
         # The slots keep a prefix: objects in put order (blocks by position, then tails and states).
         # Only the copy of the block's bytes happens on the engine's step; the put thread seals them.
         copies = []
-        for number, transfer in enumerate(save.transfers[: len(lease)]):
-            region = lease.region(number, HEADER_SIZE + self._payload_bytes(transfer))
-            self._copy_block(transfer, region)
-            pointers = partial(self._pointers, transfer)  # encoded on the put thread
-            copies.append(ObjectCopy(number, self._key(transfer), region, pointers, self._header(transfer)))
+        with self._saving() as fence:  # on a device: queued copies, which the put thread waits for
+            for number, transfer in enumerate(save.transfers[: len(lease)]):
+                region = lease.region(number, HEADER_SIZE + self._payload_bytes(transfer))
+                self._copy_block(transfer, region)
+                pointers = partial(self._pointers, transfer)  # encoded on the put thread
+                copies.append(ObjectCopy(number, self._key(transfer), region, pointers, self._header(transfer)))
         watermark = lambda seq: watermark_key(self._ns_key, save.watermark_id, seq)  # noqa: E731
-        self._saver.submit(SaveJob(save, copies, watermark, lease))
+        self._saver.submit(SaveJob(save, copies, watermark, lease, copied=fence))
+
+    def _saving(self) -> AbstractContextManager[Fence | None]:
+        return self._save_stream.saving() if self._save_stream is not None else nullcontext()
+
+    def _loading(self) -> AbstractContextManager[None]:
+        return self._load_stream.loading() if self._load_stream is not None else nullcontext()
 
     def _copy_block(self, transfer: BlockTransfer, region: Region) -> None:
         """The object's parts of the block (``_pieces``), in turn, after room for the header: one copy."""
@@ -365,13 +386,3 @@ class WorkerSide:
     def shutdown(self, timeout_s: float | None = None) -> None:
         if self._saver is not None:
             self._saver.shutdown(timeout_s)
-
-
-def _check_tensor(name: str, tensor: torch.Tensor, num_blocks: int) -> None:
-    if tensor.device.type != "cpu":
-        raise ValueError(f"the KV cache of layer {name} is on {tensor.device}; this version moves KV on the CPU only")
-    if tensor.shape[0] != num_blocks:
-        raise ValueError(
-            f"layer {name}: KV cache of shape {tuple(tensor.shape)} does not have its {num_blocks} blocks "
-            "in the first dimension"
-        )

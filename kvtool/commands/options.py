@@ -246,6 +246,13 @@ class PairOptions:
             "keys of its own, and a consumer loads what a producer of the same size saved"
         ),
     ] = 1
+    attention_backend: Annotated[
+        str | None,
+        _pair(
+            "vLLM --attention-backend (e.g. FLASH_ATTN, TRITON_ATTN); on a GPU the kvtool connector needs it "
+            "named, so that its keys carry the KV layout \\[default: vLLM's choice]"
+        ),
+    ] = None
     max_num_batched_tokens: Annotated[
         int | None,
         _pair(
@@ -373,6 +380,7 @@ class PairOptions:
                 dtype=self.dtype,
                 enforce_eager=self.enforce_eager,
                 tensor_parallel_size=self.tensor_parallel_size,
+                attention_backend=self.attention_backend,
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 startup_timeout_s=self.startup_timeout,
                 fault_control_file=self.fault_control_file.resolve() if self.fault_control_file else None,

@@ -60,6 +60,7 @@ class ServePairConfig(BaseModel):
     memory_utilization: float = 0.3  # --gpu-memory-utilization per engine; two start side by side
     enforce_eager: bool = False
     tensor_parallel_size: int = Field(default=1, ge=1)  # per engine; each rank saves and loads its own KV
+    attention_backend: str | None = None  # vLLM --attention-backend; on a GPU the connector needs it named
     # vLLM's prefill chunk (--max-num-batched-tokens); None: the preset's, else vLLM's default.
     max_num_batched_tokens: int | None = Field(default=None, gt=0)
     segment_bytes: int = Field(default=256 * MiB, gt=0)  # what each engine lends the store (embedded)

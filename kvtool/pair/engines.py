@@ -87,6 +87,8 @@ def engine_argv(cfg: ServePairConfig, role: Role, python: str = sys.executable) 
     ]
     if cfg.enforce_eager:
         argv.append("--enforce-eager")
+    if cfg.attention_backend:
+        argv += ["--attention-backend", cfg.attention_backend]
     if cfg.tensor_parallel_size > 1:
         argv += ["--tensor-parallel-size", str(cfg.tensor_parallel_size), "--distributed-executor-backend", "mp"]
     transfer = kv_transfer_config(cfg, role)

@@ -2,7 +2,8 @@
 
 The pair starts once per session (about a minute on two cores) on free ports; serve-pair starts and
 supervises its Mooncake master too (the ready file names its admin URL and current pid). Set
-KVTOOL_E2E_CONNECTOR / KVTOOL_E2E_STORE to run the suite against another configuration.
+KVTOOL_E2E_CONNECTOR / KVTOOL_E2E_STORE to run the suite against another configuration, and
+KVTOOL_E2E_ATTENTION_BACKEND on a GPU (vLLM's --attention-backend: the connector needs it named there).
 """
 
 from __future__ import annotations
@@ -94,6 +95,8 @@ def running_pair(
         roles,
         *extra_args,
     ]
+    if os.environ.get("KVTOOL_E2E_ATTENTION_BACKEND"):  # on a GPU (benchmarks/gpu/run.sh)
+        argv += ["--attention-backend", os.environ["KVTOOL_E2E_ATTENTION_BACKEND"]]
     for flag, port in ports.items():
         argv += [f"--{flag}-port", str(port)]
     # The engines' connectors read a fault plan from this file while they run (absent: no faults);

@@ -429,6 +429,8 @@ def test_tensor_parallel_engines_bind_one_core_list_per_rank(tmp_path):
     assert flag_value(argv, "--distributed-executor-backend") == "mp"
     assert engine_env(cfg, "consumer", base={})["VLLM_CPU_OMP_THREADS_BIND"].count("|") == 1
     assert "--tensor-parallel-size" not in engine_argv(make_config(tmp_path), "consumer", python="python")
+    gpu = make_config(tmp_path, attention_backend="FLASH_ATTN")
+    assert flag_value(engine_argv(gpu, "producer", python="python"), "--attention-backend") == "FLASH_ATTN"
     assert rank_binding("0,1", 1) == "0,1"
     assert rank_binding("0,1,2,3", 2) == "0,1|2,3"
     assert rank_binding("0", 2, usable=[0, 1]) == "0|1"  # fewer cores than ranks: the machine's, shared

@@ -173,10 +173,10 @@ def test_a_worker_without_a_store_fails_planned_loads():
     assert side.get_finished() == ({"req-2"}, {"req-2"})
 
 
-def test_kv_caches_off_the_cpu_are_refused_at_registration():
-    # The connector turns this into one warning and serves without itself (no GPU path yet).
+def test_kv_caches_on_a_device_it_cannot_copy_from_are_refused_at_registration():
+    # The connector turns this into one warning and serves without itself (CPU and CUDA are moved).
     caches = {name: torch.empty(NUM_BLOCKS, 2, BLOCK, 128, device="meta") for name in LAYERS}
-    with pytest.raises(ValueError, match="CPU only"):
+    with pytest.raises(ValueError, match="on the CPU and on CUDA devices"):
         WorkerSide(NS, ScriptedStore(), CONFIG, saves_enabled=True).register_kv_caches(caches, [LAYERS], NUM_BLOCKS)
 
 
