@@ -171,6 +171,13 @@ class KVToolConnector(KVConnectorBase_V1, SupportsHMA):
             logger.warning("kvtool: connector disabled, %s", exc)
 
     @on_engine_thread
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        # vLLM's first call of every step, before it touches a block: the last step's save copies,
+        # made off the engine thread (connector.stepcopies), must be done.
+        if self._worker is not None:
+            self._worker.before_step()
+
+    @on_engine_thread
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         # The one worker hook between vLLM's copy-on-write copies and the forward (see

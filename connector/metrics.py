@@ -40,6 +40,7 @@ COUNTERS: dict[str, str] = {
     "saves_dropped_budget": "saves with no room in the save area at all: nothing copied",
     "save_objects_dropped_budget": "objects of saves that found the save area too full for them",
     "saves_skipped_breaker": "saves not copied because the store's breaker was open",
+    "saves_copied_off_step": "saves whose blocks were copied on the copy thread, not on the engine's step",
     "saves_crashed": "saves a bug stopped (logged): dropped, never retried",
     "save_objects_not_held": "objects a save planned whose blocks vLLM no longer held",
     "bytes_saved": "payload bytes stored",

@@ -31,7 +31,8 @@ from .keys import KeyKind, Namespace, object_key, watermark_key
 from .loader import MAX_SAMPLES, Loader
 from .objects import HEADER_SIZE, ObjectHeader, PointerRecord, encode_pointer
 from .saver import ObjectCopy, Saver, SaveJob
-from .staging import Region, StagingArea
+from .staging import Lease, Region, StagingArea
+from .stepcopies import StepCopies
 from .store import KVStore, StoreError
 from .tokencut import cuttable, token_bytes, token_views
 
@@ -84,6 +85,7 @@ class WorkerSide:
         self._saver: Saver | None = None
         # On a device (CUDA): the copy streams of saves and loads (``devicecopy``); None on the CPU.
         self._save_stream: CopyStream | None = None
+        self._step_copies = StepCopies()  # host copies of a step's saves, finished before the next step
         self._load_stream: CopyStream | None = None
 
     # -- set-up -------------------------------------------------------------------------------------
@@ -322,25 +324,47 @@ class WorkerSide:
         self._sent.update(save.req_id for save in meta.saves if save.answer)
         if self._saver is None or not self.ready:
             return
-        for save in meta.saves:
-            self._snapshot(save)
+        admitted = [(save, lease) for save in meta.saves if (lease := self._admit(save)) is not None]
+        if not admitted:
+            return
+        if self._save_stream is not None:
+            self._copy_saves(admitted)  # a device's copies are queued on the save stream: no wait here
+        else:
+            if self._step_copies.run(partial(self._copy_saves, admitted)):  # host copies: off the engine thread
+                self.stats.add("saves_copied_off_step", len(admitted))
+
+    def before_step(self) -> None:
+        """The next step's first hook (vLLM's ``handle_preemptions``): the last step's copies are done."""
+        self._step_copies.settle()
 
     def take_sent(self) -> set[str]:
         """Answer saves whose blocks were copied (or given up) since the last step: vLLM frees them."""
         sent, self._sent = self._sent, set()
         return sent
 
-    def _snapshot(self, save: RequestSave) -> None:
-        """Copy the save's blocks (as many leading ones as have slots) and queue their puts."""
+    def _admit(self, save: RequestSave) -> Lease | None:
+        """Slots for the save's leading objects (on the engine's thread), or None: no copy is made."""
         assert self._saver is not None
         if self._breaker is not None and self._breaker.is_open:
             self.stats.add("saves_skipped_breaker")  # no copy made: the store is failing
-            return
-        lease = self._saver.admit(len(save.transfers))
-        if lease is None:
-            return
+            return None
+        return self._saver.admit(len(save.transfers))
+
+    def _copy_saves(self, admitted: list[tuple[RequestSave, Lease]]) -> None:
+        for save, lease in admitted:
+            try:
+                self._snapshot(save, lease)
+            except Exception:  # noqa: BLE001 - a bug costs this save, never the engine
+                lease.release()
+                self.stats.add("saves_crashed")
+                logger.exception("kvtool: copying a save's blocks failed; it is dropped")
+
+    def _snapshot(self, save: RequestSave, lease: Lease) -> None:
+        """Copy the save's blocks (as many leading ones as have slots) and queue their puts."""
+        assert self._saver is not None
         # The slots keep a prefix: objects in put order (blocks by position, then tails and states).
-        # Only the copy of the block's bytes happens on the engine's step; the put thread seals them.
+        # Only the copy of the block's bytes is made before the next step (``stepcopies``); the put
+        # thread seals them.
         copies = []
         with self._saving() as fence:  # on a device: queued copies, which the put thread waits for
             for number, transfer in enumerate(save.transfers[: len(lease)]):
@@ -384,5 +408,6 @@ class WorkerSide:
         return taken
 
     def shutdown(self, timeout_s: float | None = None) -> None:
+        self._step_copies.shutdown()
         if self._saver is not None:
             self._saver.shutdown(timeout_s)

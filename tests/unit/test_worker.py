@@ -227,3 +227,46 @@ def test_a_tail_cut_per_token_holds_its_valid_tokens_only_and_loads_them_into_th
         assert torch.equal(keys_got[:, :, :21], keys_want[:, :, :21]) and not keys_got[:, :, 21:].any()
         assert torch.equal(got[:, BLOCK : BLOCK + 21], want[:, BLOCK : BLOCK + 21]) and not got[:, BLOCK + 21 :].any()
         assert torch.equal(target[name][4], source[name][5])  # a full block, whole
+
+
+def test_host_copies_of_a_save_leave_the_engine_thread_and_end_before_the_next_step():
+    """Once vLLM's per-step hook has been seen, a step's save copies run on the copy thread; the next
+    step's hook waits for them, so a block vLLM then reuses was read before it was overwritten."""
+    import threading
+
+    store, source = ScriptedStore(), kv_caches("random")
+    expected = {name: tensor.clone() for name, tensor in source.items()}
+    side = worker(store, source)
+    threads = []
+    copy_block = side._copy_block
+    side._copy_block = lambda *args: (threads.append(threading.current_thread().name), copy_block(*args))[1]
+    side.before_step()  # vLLM's handle_preemptions: the hook that makes deferring safe
+    meta = KVToolMetadata(saves=[RequestSave("req-1", transfers((3, 5, 1)), prompt_tokens=len(PROMPT))])
+    side.wait_for_save(meta)
+    side.before_step()  # the next step: its first hook waits for the copies
+    for tensor in source.values():
+        tensor.zero_()  # what that step may now do to the blocks
+    side.shutdown()
+    assert threads and all(name.startswith("kvtool-copy") for name in threads)
+
+    target = kv_caches("zeros")
+    loader = worker(store, target, saves=False)
+    loader.start_load_kv(KVToolMetadata(loads=[RequestLoad("req-2", transfers((0, 6, 7)))]))
+    assert loader.get_finished() == ({"req-2"}, set())
+    for name in LAYERS:
+        for src, dst in [(3, 0), (5, 6), (1, 7)]:
+            assert torch.equal(expected[name][src], target[name][dst])
+
+
+def test_without_the_per_step_hook_copies_stay_on_the_engine_thread():
+    import threading
+
+    from connector.stepcopies import StepCopies
+
+    copies, ran = StepCopies(), []
+    copies.run(lambda: ran.append(threading.current_thread().name))
+    assert ran == [threading.current_thread().name]  # no hook seen: nothing may race the copy
+    copies.settle()
+    copies.run(lambda: 1 / 0)  # a failing copy is logged, never raised into the engine
+    copies.settle()
+    copies.shutdown()
