@@ -5,9 +5,11 @@ are zero-copy batches between the store and their slots. Loads are asynchronous 
 read into the load area, checked and copied into the request's blocks on a background thread (blocks
 vLLM keeps for the request, unscheduled, until it is reported), and reported through
 ``get_finished``; a failed or late load is a failed receive, which vLLM recomputes. Saves copy the
-blocks into slots of the save area at the end of the step that computed them (so a later preemption
-or block reuse cannot change what is stored), as many as have room, then a background thread seals
-and puts them (``saver.Saver``).
+blocks into slots of the save area after the step that computed them, before the next step touches a
+block (``stepcopies``: on a copy thread, waited for at the next step's first hook; so a later
+preemption or block reuse cannot change what is stored), as many as have room, then a background
+thread seals and puts them (``saver.Saver``). On a GPU the copies are queued on copy streams
+(``devicecopy``).
 """
 
 from __future__ import annotations

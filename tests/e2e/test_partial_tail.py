@@ -4,8 +4,10 @@ and reused KV gives the same answer as recomputing it."""
 from __future__ import annotations
 
 
+import httpx
 import pytest
 
+from kvtool import prometheus
 from kvtool.client import complete
 
 from connector.hits import HitDetails
@@ -28,6 +30,10 @@ def test_cross_block_prompt_is_reused_blocks_plus_tail_then_repeated(pair):
     base = prompt(3, 85)
     produced = produce(pair, base)
     assert produced.save_objects == 3 and produced.save_tail_boundary == 85
+    # vLLM calls the per-step hook the producer's copies wait at (connector.stepcopies): its saves are
+    # copied off the engine's step, and what they stored is what the consumer's answer below checks.
+    metrics = httpx.get(f"{pair['producer']}/metrics", timeout=10).text
+    assert (prometheus.total(metrics, "vllm:kvtool_saves_copied_off_step_total") or 0) > 0
     details, _ = consume(pair, base + prompt(4, 10))
     assert details.external_hit_tokens == 85
     assert (details.block_hit_tokens, details.tail_hit_tokens) == (64, 21)
