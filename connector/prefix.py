@@ -148,10 +148,20 @@ class PromptKeys:
         strictly inside the tokens it holds, and at its first token (``lead_pointers``). Each record
         carries the object's token ids from its boundary on, so a prompt sharing part of them finds the
         exact common prefix."""
+        return [self.pointer_ref(boundary, ref.group) for boundary, _ in self.pointer_hashes(ref)]
+
+    def pointer_hashes(self, ref: ObjectRef) -> list[tuple[int, bytes]]:
+        """``pointers_inside`` as (boundary, prefix hash), without their keys (what a save sends)."""
         if not self.grid or ref.kind not in (KeyKind.BLOCK, KeyKind.TAIL):
             return []
         ends = self.pointer_ends(ref.block_index, ref.token_end - 1)
-        return [self.pointer_ref(boundary, ref.group) for boundary in ends]
+        # Only these ends' hashes (``tail_hash`` alone would take every boundary a lookup may ask
+        # about in the block: at hash unit 1, the block's 31 others for a save's 3 or 4 pointers).
+        missing = [end for end in ends if end not in self._tails]
+        if missing:
+            parent = self.parent_of_block(ref.block_index)
+            self._tails.update(zip(missing, tail_hashes(self.tokens, missing, self.block_size, parent), strict=True))
+        return [(end, self._tails[end]) for end in ends]
 
     def pointer_ends(self, block_index: int, limit: int) -> list[int]:
         """Where pointers stand in block ``block_index``, up to ``limit``: the grid's multiples inside

@@ -152,3 +152,24 @@ def test_hit_equals_the_oracle(published, length, unit, local_blocks, diverge_at
     covered = {o.block_index for o in plan.objects}
     if expected:
         assert covered == set(range(local // B, (local + expected - 1) // B + 1))
+
+
+@given(
+    tokens=st.lists(st.integers(0, 50_000), min_size=2, max_size=200),
+    grid=st.sampled_from([1, 4, 8, 32]),
+    lead=st.booleans(),
+    asked_first=st.booleans(),
+)
+def test_a_saves_pointer_hashes_are_the_tail_hashes_of_their_boundaries(tokens, grid, lead, asked_first):
+    """A save takes only its pointers' hashes (not every boundary of their blocks, as a lookup does);
+    they must be the very hashes a lookup computes for those boundaries, in either order of asking."""
+    from connector.hashing import tail_hash
+
+    keys = PromptKeys.build(tokens, 32, 1, "ns", ROOT, grid=grid, lead_pointers=lead)
+    if asked_first and len(tokens) % 32:
+        keys.tail_hash(len(tokens))  # a lookup's probe of the last block first
+    for ref in plan_save(keys):
+        hashes = keys.pointer_hashes(ref)
+        parent = keys.parent_of_block(ref.block_index)
+        assert hashes == [(end, tail_hash(tokens, end, 32, parent)) for end, _ in hashes]
+        assert [p.key for p in keys.pointers_inside(ref)] == [keys.pointer_ref(end).key for end, _ in hashes]
