@@ -124,6 +124,28 @@ def capacity_fields(capacity: dict[str, Any] | None) -> dict[str, Any]:
     }
 
 
+def producer_fields(run: dict[str, Any] | None) -> dict[str, Any]:
+    """The producer's throughput against none from ``producer.json`` (``kvtool bench --compare
+    kvtool,none``, this head), which replaces the peers run's figure where it exists."""
+    if run is None:
+        return {}
+    source = "producer.json (kvtool bench --compare kvtool,none)"
+    summary = {name: r["summary"] for name, r in run["connectors"].items()}
+    kvtool, none = summary["kvtool"], summary["none"]
+    engine = ratio(none.get("producer_engine_ms_p50"), kvtool.get("producer_engine_ms_p50"))
+    client = ratio(none.get("producer_ms_p50"), kvtool.get("producer_ms_p50"))
+    note = (
+        f"serial producer requests, each a new prompt (a miss): none's producer p50 over kvtool's by vLLM's "
+        f"own latency, {none['producer_engine_ms_p50']:.1f} / {kvtool['producer_engine_ms_p50']:.1f} ms"
+    )
+    return {
+        "producer_throughput_vs_none": field(engine, ">= 0.97", engine is not None and engine >= 0.97, source, note),
+        "producer_throughput_vs_none_client": field(
+            client, ">= 0.97", client is not None and client >= 0.97, source, "the same by the client's latency"
+        ),
+    }
+
+
 def stream_fields(gaps: dict[str, Any] | None) -> dict[str, Any]:
     source = "stream_gap.json (stream_gap.py)"
     if gaps is None:
@@ -141,6 +163,7 @@ def main() -> None:
         **data_path_fields(load(HERE / "data_path.json")),
         **lookup_fields(load(HERE / "lookup_latency.json"), load(HERE / "lookup_cpu.json")),
         **peer_fields(load(PEERS)),
+        **producer_fields(load(HERE / "producer.json")),
         **capacity_fields(load(HERE.parent / "capacity-pressure" / "results.json")),
         **stream_fields(load(HERE / "stream_gap.json")),
     }
