@@ -55,8 +55,12 @@ class TorchCudaOps:
     def new_event(self) -> Any:
         return torch.cuda.Event()
 
-    def use(self, stream: Any) -> AbstractContextManager[Any]:
-        return torch.cuda.stream(stream)
+    @contextmanager
+    def use(self, stream: Any) -> Iterator[None]:
+        # The device first: a fetch thread starts on device 0, and leaving a stream context on it
+        # would create a CUDA context on GPU 0 in every rank's process.
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            yield
 
 
 class Fence:
@@ -98,10 +102,18 @@ class CopyStream:
         self.note_compute()
         fence = Fence()
         self._stream.wait_stream(self._compute)
-        with self._ops.use(self._stream):
-            yield fence
-            event = self._ops.new_event()
-            event.record(self._stream)
+        completed = False
+        try:
+            with self._ops.use(self._stream):
+                yield fence
+                event = self._ops.new_event()
+                event.record(self._stream)
+            completed = True
+        finally:
+            if not completed:  # copies may be queued: end them before their slots are given back
+                event = self._ops.new_event()
+                event.record(self._stream)
+                event.synchronize()
         self._compute.wait_event(event)
         fence.arm(event)
 
@@ -111,11 +123,13 @@ class CopyStream:
         with self._lock:
             compute = self._compute
         self._stream.wait_stream(compute)
-        with self._ops.use(self._stream):
-            yield
+        try:
+            with self._ops.use(self._stream):
+                yield
+        finally:  # also after a failed write: copies queued before it end before the slots go back
             event = self._ops.new_event()
             event.record(self._stream)
-        event.synchronize()
+            event.synchronize()
 
 
 def device_ops_for(tensors: list[torch.Tensor]) -> DeviceOps | None:

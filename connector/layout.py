@@ -128,9 +128,7 @@ def engine_layout(
     if len(block_sizes) != 1:
         raise UnsupportedLayout(f"KV cache groups of different block sizes ({sorted(block_sizes)})")
     parallel = vllm_config.parallel_config
-    if parallel.pipeline_parallel_size != 1:
-        # A rank then holds some layers' KV of the prompt: not what a namespace per TP rank describes.
-        raise UnsupportedLayout("pipeline parallelism above 1 is not supported yet")
+    _check_parallelism(parallel)
     # The namespace names the first attention group's layout; a hybrid model adds every group's.
     attention = next((g for g in specs if isinstance(g.kv_cache_spec, AttentionSpec)), None)
     if attention is None:
@@ -169,6 +167,18 @@ def engine_layout(
     )
     layer_names = tuple(tuple(group.layer_names) for group in specs)
     return EngineLayout(namespace, groups, layer_names, kernels, block_bytes, token_bytes)
+
+
+def _check_parallelism(parallel: object) -> None:
+    """Tensor parallelism is keyed per rank (``connector.ranks``); other splits of the KV are refused."""
+    if getattr(parallel, "pipeline_parallel_size", 1) != 1:
+        # A rank then holds some layers' KV of the prompt: not what a namespace per TP rank describes.
+        raise UnsupportedLayout("pipeline parallelism above 1 is not supported yet")
+    for kind in ("decode", "prefill"):
+        # A rank then holds an interleaved share of each block's tokens (and ranks of different
+        # context groups share a TP rank): neither is in the namespace.
+        if (getattr(parallel, f"{kind}_context_parallel_size", 1) or 1) != 1:
+            raise UnsupportedLayout(f"{kind} context parallelism above 1 is not supported yet")
 
 
 def _describe_specs(groups: tuple[CacheGroup, ...], specs: list[KVCacheGroupSpec]) -> str:

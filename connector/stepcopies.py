@@ -29,11 +29,12 @@ class StepCopies:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: concurrent.futures.Future[None] | None = None
         self.hooked = False  # the engine called ``settle`` at a step's start: copies may be deferred
+        self._closed = False
 
     def run(self, copies: Callable[[], None]) -> bool:
         """Make the step's copies: on the copy thread when the next step's hook will wait for them,
         else now. Call from the engine's thread. Returns whether they were deferred."""
-        if not self.hooked:
+        if not self.hooked or self._closed:
             copies()
             return False
         self.settle()  # one step's copies at a time
@@ -54,6 +55,7 @@ class StepCopies:
             logger.exception("kvtool: a step's save copies failed; those saves are dropped")
 
     def shutdown(self) -> None:
+        self._closed = True  # a save after this is copied on the caller's thread
         self.settle()
         if self._executor is not None:
             self._executor.shutdown(wait=True)

@@ -393,7 +393,7 @@ class WorkerSide:
         offset = HEADER_SIZE
         for piece in self._pieces(transfer):
             source = piece.contiguous().view(torch.uint8).reshape(-1)  # a tail's strided K: a small copy
-            target[offset : offset + source.numel()].copy_(source)
+            target[offset : offset + source.numel()].copy_(source, non_blocking=True)  # queued on a device
             offset += source.numel()
 
     def take_stats(self) -> dict[str, int]:

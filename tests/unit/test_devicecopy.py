@@ -146,7 +146,7 @@ def test_blocks_round_trip_through_queued_copies_and_a_load_completes_before_it_
     assert device.log[:2] == [("wait_stream", load_stream, "compute"), ("use", load_stream)]
     (record,) = [entry for entry in device.log if entry[0] == "record"]
     event = record[1]
-    assert device.log[-3:] == [("record", event, load_stream), ("end", load_stream), ("synchronize", event)]
+    assert device.log[-3:] == [("end", load_stream), ("record", event, load_stream), ("synchronize", event)]
     assert loader.get_finished() == ({"req-2"}, set())
     for name in LAYERS:
         for src, dst in [(3, 0), (5, 6), (1, 7)]:
@@ -177,3 +177,19 @@ def test_block_major_views_and_the_devices_kvtool_moves():
         device_ops_for([flat, torch.zeros(1, device="meta")])
     with pytest.raises(ValueError, match="CPU and on CUDA"):
         device_ops_for([torch.zeros(1, device="meta")])
+
+
+def test_copies_queued_before_a_failure_end_before_their_slots_go_back():
+    from connector.devicecopy import CopyStream
+
+    device = FakeDevice()
+    stream = CopyStream(device)
+    with pytest.raises(RuntimeError, match="a bad write"):
+        with stream.loading():
+            raise RuntimeError("a bad write")
+    assert [entry[0] for entry in device.log[-2:]] == ["record", "synchronize"]
+    device.log.clear()
+    with pytest.raises(RuntimeError, match="a bad copy"):
+        with stream.saving():
+            raise RuntimeError("a bad copy")
+    assert [entry[0] for entry in device.log[-2:]] == ["record", "synchronize"]

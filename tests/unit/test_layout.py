@@ -140,9 +140,9 @@ def test_tensor_parallel_engines_key_by_their_tp_size_and_pipeline_parallelism_i
         kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=["l0", "l1"])], kv_cache_layout=None
     )
 
-    def layout(tp, pp=1):
+    def layout(tp, pp=1, **context):
         cfg = vllm_config()
-        cfg.parallel_config = SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp)
+        cfg.parallel_config = SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp, **context)
         return engine_layout(cfg, kv_cache_config, None, "")
 
     one, two = layout(1).namespace, layout(2).namespace
@@ -150,3 +150,9 @@ def test_tensor_parallel_engines_key_by_their_tp_size_and_pipeline_parallelism_i
     assert one.key_component() != two.key_component()
     with pytest.raises(UnsupportedLayout, match="pipeline parallelism"):
         layout(1, pp=2)
+    # Context parallelism splits a block's tokens across ranks: not keyed, so refused.
+    with pytest.raises(UnsupportedLayout, match="decode context parallelism"):
+        layout(2, decode_context_parallel_size=2)
+    with pytest.raises(UnsupportedLayout, match="prefill context parallelism"):
+        layout(2, prefill_context_parallel_size=2)
+    assert layout(2, decode_context_parallel_size=1).namespace == two
