@@ -76,16 +76,23 @@ def records(store):
     return found
 
 
-def test_whole_blocks_round_trip_into_other_blocks():
-    store, source = ScriptedStore(), kv_caches("random")
-    save(store, source)
+def load_and_compare(store, expected) -> WorkerSide:
+    """Load what ``save`` stored (blocks 3, 5, 1) into blocks 0, 6, 7 of fresh caches; each must equal
+    ``expected``'s source block."""
     target = kv_caches("zeros")
     loader = worker(store, target, saves=False)
     loader.start_load_kv(KVToolMetadata(loads=[RequestLoad("req-2", transfers((0, 6, 7)))]))
     assert loader.get_finished() == ({"req-2"}, set())
     for name in LAYERS:
         for src, dst in [(3, 0), (5, 6), (1, 7)]:
-            assert torch.equal(source[name][src], target[name][dst])
+            assert torch.equal(expected[name][src], target[name][dst])
+    return loader
+
+
+def test_whole_blocks_round_trip_into_other_blocks():
+    store, source = ScriptedStore(), kv_caches("random")
+    save(store, source)
+    loader = load_and_compare(store, source)
     assert loader.take_stats()["tail_objects_loaded"] == 1
 
 
@@ -248,14 +255,7 @@ def test_host_copies_of_a_save_leave_the_engine_thread_and_end_before_the_next_s
         tensor.zero_()  # what that step may now do to the blocks
     side.shutdown()
     assert threads and all(name.startswith("kvtool-copy") for name in threads)
-
-    target = kv_caches("zeros")
-    loader = worker(store, target, saves=False)
-    loader.start_load_kv(KVToolMetadata(loads=[RequestLoad("req-2", transfers((0, 6, 7)))]))
-    assert loader.get_finished() == ({"req-2"}, set())
-    for name in LAYERS:
-        for src, dst in [(3, 0), (5, 6), (1, 7)]:
-            assert torch.equal(expected[name][src], target[name][dst])
+    load_and_compare(store, expected)
 
 
 def test_without_the_per_step_hook_copies_stay_on_the_engine_thread():
