@@ -18,7 +18,11 @@ mkdir -p "$OUT"
 if ! "$VENV/bin/python" -c "import vllm, mooncake" 2>/dev/null; then
     echo "installing the CUDA stack into $VENV (vllm 0.32 with CUDA torch, mooncake-transfer-engine)"
     python3 -m venv "$VENV"
-    "$VENV/bin/pip" install -q -e ".[cuda,test]"
+    if ! "$VENV/bin/pip" install -q -e ".[cuda,test]"; then
+        echo "error: could not install the CUDA stack into $VENV (it needs the network once); on an offline" \
+             "machine, build that venv elsewhere and point KVTOOL_GPU_VENV at it" >&2
+        exit 2
+    fi
 fi
 PY="$VENV/bin/python"
 "$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA GPU visible'; print(torch.cuda.get_device_name(0))" \
