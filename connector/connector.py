@@ -12,6 +12,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
+from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 from vllm.platforms import current_platform
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -27,7 +28,9 @@ from .config import KVToolConfig, load_config
 from .data import KVToolMetadata, KVToolWorkerMeta
 from .layout import EngineLayout, UnsupportedLayout, check_attention_layout, engine_layout
 from .hooktime import HookClock, on_engine_thread
+from .keys import Namespace
 from .metrics import KVToolStats
+from .ranks import rank_namespace
 from .scheduler import SchedulerSide
 from .store import StoreError, open_store
 from .worker import WorkerSide
@@ -271,21 +274,15 @@ def _breaker_policy(config: KVToolConfig) -> BreakerPolicy:
     return BreakerPolicy(config.breaker_failures, config.breaker_backoff_s, config.breaker_max_backoff_s)
 
 
-def _placeholder_namespace():
-    from .keys import Namespace
-
+def _placeholder_namespace() -> Namespace:
     return Namespace(
         model="disabled", dtype="none", kv_layout="none", block_size=1, num_layers=0, num_kv_heads=0, head_size=0
     )
 
 
-def _worker_namespace(namespace):
+def _worker_namespace(namespace: Namespace) -> Namespace:
     """A worker's namespace: the engine's, with its own TP rank (each rank stores its share of the KV
     heads under its own keys, ``connector.ranks``)."""
-    from .ranks import rank_namespace
-
     if namespace.tp_size == 1:
         return namespace
-    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
     return rank_namespace(namespace, get_tensor_model_parallel_rank())

@@ -102,18 +102,13 @@ class CopyStream:
         self.note_compute()
         fence = Fence()
         self._stream.wait_stream(self._compute)
-        completed = False
         try:
             with self._ops.use(self._stream):
                 yield fence
-                event = self._ops.new_event()
-                event.record(self._stream)
-            completed = True
-        finally:
-            if not completed:  # copies may be queued: end them before their slots are given back
-                event = self._ops.new_event()
-                event.record(self._stream)
-                event.synchronize()
+                event = self._ended()
+        except BaseException:
+            self._ended().synchronize()  # copies may be queued: end them before their slots go back
+            raise
         self._compute.wait_event(event)
         fence.arm(event)
 
@@ -127,9 +122,13 @@ class CopyStream:
             with self._ops.use(self._stream):
                 yield
         finally:  # also after a failed write: copies queued before it end before the slots go back
-            event = self._ops.new_event()
-            event.record(self._stream)
-            event.synchronize()
+            self._ended().synchronize()
+
+    def _ended(self) -> Any:
+        """An event recorded on this stream now: it completes when every copy queued so far has."""
+        event = self._ops.new_event()
+        event.record(self._stream)
+        return event
 
 
 def device_ops_for(tensors: list[torch.Tensor]) -> DeviceOps | None:

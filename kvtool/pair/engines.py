@@ -103,10 +103,15 @@ def engine_argv(cfg: ServePairConfig, role: Role, python: str = sys.executable) 
     return argv
 
 
+def usable_cpus() -> list[int]:
+    """The cores this process may run on."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
 def cpu_halves(cpus: list[int] | None = None) -> tuple[str, str]:
     """OMP core lists for the producer and the consumer: two disjoint halves of the usable cores."""
     if cpus is None:
-        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+        cpus = usable_cpus()
     if len(cpus) < 2:
         return "all", "all"
     half = len(cpus) // 2
@@ -120,9 +125,7 @@ def rank_binding(cpus: str, ranks: int, usable: list[int] | None = None) -> str:
     if ranks == 1:
         return cpus
     if usable is None:
-        usable = (
-            sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-        )
+        usable = usable_cpus()
     own = [int(cpu) for cpu in cpus.split(",")] if cpus != "all" else usable
     if len(own) < ranks:
         own = usable if len(usable) >= ranks else [usable[rank % len(usable)] for rank in range(ranks)]
