@@ -95,10 +95,22 @@ def block_hashes(tokens: Sequence[int], block_size: int, root: bytes) -> list[by
     """Chain hashes at the end of every full block of ``tokens`` (``len(tokens) // block_size`` of them)."""
     if block_size <= 0:
         raise ValueError("block_size must be positive")
+    count = len(tokens) // block_size
+    if not count:
+        return []
+    # ``_digest(_BLOCK_TAG, parent, block's token bytes)``, with the tokens packed once for every block.
+    packed = memoryview(_token_bytes(tokens[: count * block_size]))
+    tag = struct.pack("<I", len(_BLOCK_TAG)) + _BLOCK_TAG
+    size = struct.pack("<I", 4 * block_size)
     hashes: list[bytes] = []
     parent = root
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        parent = _digest(_BLOCK_TAG, parent, _token_bytes(tokens[start : start + block_size]))
+    for start in range(0, 4 * count * block_size, 4 * block_size):
+        h = hashlib.blake2b(tag, digest_size=HASH_BYTES)
+        h.update(struct.pack("<I", len(parent)))
+        h.update(parent)
+        h.update(size)
+        h.update(packed[start : start + 4 * block_size])
+        parent = h.digest()
         hashes.append(parent)
     return hashes
 

@@ -110,11 +110,21 @@ def watermark_key(namespace: str, request_id: str, seq: int) -> str:
     return f"{KEY_PREFIX}{namespace}/{KeyKind.WATERMARK.value}/{request_hash(request_id)}/{seq}"
 
 
+# Each object kind's letter (an enum's ``.value`` is a descriptor call: a lookup builds hundreds of keys).
+_LETTER = {kind: kind.value for kind in KeyKind if kind is not KeyKind.WATERMARK}
+
+
 def object_key(namespace: str, group: int, kind: KeyKind, end_token: int, chain_hash: bytes) -> str:
     """The key of a block, tail or state object of one cache group."""
-    if kind is KeyKind.WATERMARK or not 0 <= group <= MAX_GROUP:
+    return f"{object_key_prefix(namespace, group, kind)}{end_token}/{chain_hash.hex()}"
+
+
+def object_key_prefix(namespace: str, group: int, kind: KeyKind) -> str:
+    """What every key of one kind in one group starts with (``object_key``: then the end and the hash)."""
+    letter = _LETTER.get(kind)
+    if letter is None or not 0 <= group <= MAX_GROUP:
         raise ValueError(f"no object key for kind {kind.name} in group {group}")
-    return f"{KEY_PREFIX}{namespace}/{group}/{kind.value}/{end_token}/{chain_hash.hex()}"
+    return f"{KEY_PREFIX}{namespace}/{group}/{letter}/"
 
 
 def block_key(namespace: str, end_token: int, chain_hash: bytes, group: int = 0) -> str:

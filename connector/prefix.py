@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from .groups import CacheGroup, GroupKind
 from .hashing import block_hashes, check_token_ids, save_tail_boundary, tail_boundaries, tail_hash, tail_hashes
-from .keys import KeyKind, object_key
+from .keys import KeyKind, object_key, object_key_prefix
 
 from .served import ServedIndex
 
@@ -26,9 +26,11 @@ def single_group(block_size: int) -> tuple[CacheGroup, ...]:
     return (CacheGroup(0, GroupKind.FULL, block_size),)
 
 
-@dataclass(frozen=True)
-class ObjectRef:
-    """One stored object of one group, and the request block (index within the group) it fills."""
+class ObjectRef(NamedTuple):
+    """One stored object of one group, and the request block (index within the group) it fills.
+
+    (A named tuple, not a frozen dataclass: a lookup at block 256 and hash unit 1 builds hundreds per
+    prompt, and a frozen dataclass costs several times as much to make.)"""
 
     key: str
     group: int
@@ -37,6 +39,11 @@ class ObjectRef:
     token_start: int
     token_end: int  # end of the object's valid tokens (block end, tail boundary, or the state's position)
     chain_hash: bytes
+
+
+# A ref made from its fields' tuple: a named tuple's own ``__new__`` is a Python function, several times
+# the cost of the tuple itself (a lookup at hash unit 1 makes a whole block's refs).
+_new_ref = tuple.__new__
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,10 @@ class PromptKeys:
     # Refs built so far, by (kind, end, group): a lookup asks for each several times (the query, the
     # search for the longest served end, the pointers' rounds), and building a key is most of its cost.
     _refs: dict[tuple[KeyKind, int, int], ObjectRef] = field(default_factory=dict, compare=False, repr=False)
+    # Every full block's ref, by group (``block_refs``).
+    _blocks: dict[int, list[ObjectRef]] = field(default_factory=dict, compare=False, repr=False)
+    # The refs above by key: which of this prompt's objects a set of stored keys names (``ServedIndex``).
+    _by_key: dict[str, ObjectRef] = field(default_factory=dict, compare=False, repr=False)
     # Served indexes by the set of stored keys they answer for (``served``): a lookup asks the same
     # set again in each of its rounds.
     _served: dict[frozenset[str], ServedIndex] = field(default_factory=dict, compare=False, repr=False)
@@ -115,14 +126,30 @@ class PromptKeys:
         return digest
 
     def block_ref(self, index: int, group: int = 0) -> ObjectRef:
-        ref = self._refs.get((KeyKind.BLOCK, index, group))
-        if ref is None:
-            start, end = index * self.block_size, (index + 1) * self.block_size
-            digest = self.block_chain[index]
-            ref = self._refs[(KeyKind.BLOCK, index, group)] = ObjectRef(
-                object_key(self.namespace, group, KeyKind.BLOCK, end, digest), group, KeyKind.BLOCK, index, start,
-                end, digest)  # fmt: skip
+        if not 0 <= index < len(self.block_chain):
+            raise IndexError(f"block {index} is not a full block of the {len(self.tokens)} tokens")
+        return self.block_refs(group)[index]
+
+    def block_refs(self, group: int = 0) -> list[ObjectRef]:
+        """Every full block's ref in ``group``, in order (made at once: a lookup asks for all of them)."""
+        refs = self._blocks.get(group)
+        if refs is None:
+            prefix, bs, kind = object_key_prefix(self.namespace, group, KeyKind.BLOCK), self.block_size, KeyKind.BLOCK
+            refs = self._blocks[group] = [
+                _new_ref(ObjectRef, (f"{prefix}{(i + 1) * bs}/{digest.hex()}", group, kind, i, i * bs, (i + 1) * bs,
+                                     digest))
+                for i, digest in enumerate(self.block_chain)
+            ]  # fmt: skip
+            self._by_key.update((ref.key, ref) for ref in refs)
+        return refs
+
+    def _keep(self, where: tuple[KeyKind, int, int], ref: ObjectRef) -> ObjectRef:
+        self._refs[where] = self._by_key[ref.key] = ref
         return ref
+
+    def ref_of(self, key: str) -> ObjectRef | None:
+        """This prompt's object with that key, among those built so far (every key a lookup asked)."""
+        return self._by_key.get(key)
 
     def tail_ref(self, boundary: int, group: int = 0) -> ObjectRef:
         return self._inner_ref(KeyKind.TAIL, boundary, group)
@@ -138,9 +165,9 @@ class PromptKeys:
         if ref is None:
             index = boundary // self.block_size
             digest = self.tail_hash(boundary)
-            ref = self._refs[(kind, boundary, group)] = ObjectRef(
+            ref = self._keep((kind, boundary, group), ObjectRef(
                 object_key(self.namespace, group, kind, boundary, digest), group, kind, index,
-                index * self.block_size, boundary, digest)  # fmt: skip
+                index * self.block_size, boundary, digest))  # fmt: skip
         return ref
 
     def pointers_inside(self, ref: ObjectRef) -> list[ObjectRef]:
@@ -178,9 +205,13 @@ class PromptKeys:
 
     def state_ref(self, end: int, group: int) -> ObjectRef:
         """The state after ``end`` tokens: it lives in the block holding token ``end - 1``."""
-        digest = self.chain_hash(end)
-        return ObjectRef(object_key(self.namespace, group, KeyKind.STATE, end, digest), group, KeyKind.STATE,
-                         (end - 1) // self.block_size, 0, end, digest)  # fmt: skip
+        ref = self._refs.get((KeyKind.STATE, end, group))
+        if ref is None:
+            digest = self.chain_hash(end)
+            ref = self._keep((KeyKind.STATE, end, group), ObjectRef(
+                object_key(self.namespace, group, KeyKind.STATE, end, digest), group, KeyKind.STATE,
+                (end - 1) // self.block_size, 0, end, digest))  # fmt: skip
+        return ref
 
     def block_key(self, index: int, group: int = 0) -> str:
         return self.block_ref(index, group).key
@@ -222,9 +253,32 @@ class PromptKeys:
                 refs += [self.state_ref(end, group.index) for end in sorted(states)]
                 continue
             if blocks:
-                refs += [self.block_ref(i, group.index) for i in range(self.num_full_blocks)]
-            refs += [ref for end in ends if end % self.block_size for ref in self._inner_refs(end, group.index)]
+                refs += self.block_refs(group.index)
+            refs += self._inner_refs_at([end for end in ends if end % self.block_size], group.index)
         return refs
+
+    def _inner_refs_at(self, ends: Sequence[int], group: int) -> list[ObjectRef]:
+        """``_inner_refs`` of each of ``ends`` (none block-aligned), built in one pass: at hash unit 1 a
+        lookup asks for a whole block's tails (255 at block 256), and one by one that was most of its CPU."""
+        for end in ends:
+            if end not in self._tails:
+                self.tail_hash(end)  # every end its block may be asked about, hashed at once
+        tails = [end for end in ends if end % self.hash_unit == 0]
+        pointers = [end for end in ends if self.grid and (end % self.grid == 0 or self.is_lead(end))]
+        return self._refs_of(KeyKind.TAIL, tails, group) + self._refs_of(KeyKind.POINTER, pointers, group)
+
+    def _refs_of(self, kind: KeyKind, ends: list[int], group: int) -> list[ObjectRef]:
+        """The tail or pointer refs at ``ends`` (their hashes known), made where not made yet."""
+        refs, hashes, bs, found = self._refs, self._tails, self.block_size, []
+        prefix = object_key_prefix(self.namespace, group, kind) if ends else ""
+        for end in ends:
+            ref = refs.get((kind, end, group))
+            if ref is None:
+                digest, index = hashes[end], end // bs
+                fields = (f"{prefix}{end}/{digest.hex()}", group, kind, index, index * bs, end, digest)
+                ref = self._keep((kind, end, group), _new_ref(ObjectRef, fields))
+            found.append(ref)
+        return found
 
     @property
     def has_state_group(self) -> bool:
@@ -262,7 +316,7 @@ class PromptKeys:
             state = self.state_ref(hit, group.index)
             return [state] if state.key in present else None
         last = (hit - 1) // self.block_size
-        refs = [self.block_ref(i, group.index) for i in range(max(from_block, group.first_needed_block(hit)), last)]
+        refs = self.block_refs(group.index)[max(from_block, group.first_needed_block(hit)) : last]
         if any(ref.key not in present for ref in refs):
             return None
         if last < from_block:
@@ -333,7 +387,7 @@ def plan_save(keys: PromptKeys) -> list[ObjectRef]:
             if length:
                 states.append(keys.state_ref(length, group.index))
             continue
-        blocks += [keys.block_ref(i, group.index) for i in range(keys.num_full_blocks)]
+        blocks += keys.block_refs(group.index)
         if boundary is not None:
             tails.append(keys.tail_ref(boundary, group.index))
     blocks.sort(key=lambda ref: (ref.block_index, ref.group))

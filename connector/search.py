@@ -63,7 +63,7 @@ def find_stored_prefix(
 
 def _ask(exists: ExistsFn, refs_per_prompt: list[list[ObjectRef]]) -> list[frozenset[str]]:
     """One existence query for every prompt's refs; the keys found, per prompt."""
-    query = sorted({ref.key for refs in refs_per_prompt for ref in refs})
+    query = list(dict.fromkeys(ref.key for refs in refs_per_prompt for ref in refs))  # each key once
     if not query:
         return [frozenset() for _ in refs_per_prompt]
     found = {key for key, present in zip(query, exists(query), strict=True) if present}

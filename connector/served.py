@@ -13,11 +13,13 @@ Its answers are exactly ``serves``'s (a property test holds them side by side).
 
 from __future__ import annotations
 
+import weakref
 from bisect import bisect_left
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from .groups import CacheGroup, GroupKind
+from .keys import KeyKind
 
 if TYPE_CHECKING:  # prefix.py uses this module; these names are only annotations here
     from .prefix import ObjectRef, PromptKeys
@@ -27,10 +29,17 @@ class ServedIndex:
     """``keys.serves(hit, present)`` for any ``hit``, built lazily from one pass over the prompt."""
 
     def __init__(self, keys: PromptKeys, present: frozenset[str]):
-        self._keys = keys
+        # A proxy: ``keys`` keeps this index (``PromptKeys.served``), and a reference back would make
+        # every prompt's keys a cycle, freed only by the collector's full passes (pauses of tens of
+        # milliseconds on the engine's process, and its memory held until then).
+        self._keys = weakref.proxy(keys)
         self._present = present
         self._counts: dict[int, list[int]] = {}  # group -> stored full blocks among the first i
         self._inner: dict[tuple[int, int], tuple[list[int], list[ObjectRef | None]]] = {}
+        # (group, block) -> the stored tails and pointers inside it, when every stored key is one this
+        # prompt built (what a lookup asked): read off the stored keys instead of each candidate end.
+        self._stored_inner = _stored_inner(keys, present)
+        self._reach: dict[int, int] = {}  # block -> ``_reach_inside``
 
     def serves(self, hit: int) -> bool:
         keys = self._keys
@@ -50,6 +59,8 @@ class ServedIndex:
         reach = min(((self._leading_run(g) + 1) * keys.block_size for g in full), default=length)
         longest = 0
         for end in sorted({end for end in ends if end <= reach}, reverse=True):
+            if end % keys.block_size and end > self._reach_inside((end - 1) // keys.block_size):
+                continue  # an attention group holds nothing at or past it in its block
             if self.serves(end):
                 longest = max(longest, end)
                 if end < length:
@@ -84,6 +95,25 @@ class ServedIndex:
         position = bisect_left(ends, hit)
         return first_stored[position] if position < len(ends) else None
 
+    def _reach_inside(self, block: int) -> int:
+        """The furthest end inside ``block`` that every attention group may serve: the last stored tail
+        or pointer there (no bound where the group holds the block whole). A bound only: ``serves`` says."""
+        reach = self._reach.get(block)
+        if reach is not None:
+            return reach
+        keys = self._keys
+        reach = (block + 1) * keys.block_size
+        for group in keys.groups:
+            if group.kind is GroupKind.STATE:
+                continue
+            counts = self._block_counts(group.index)
+            if block < keys.num_full_blocks and counts[block + 1] > counts[block]:
+                continue
+            ends, _ = self._inner_index(group.index, block)
+            reach = min(reach, ends[-1] if ends else 0)
+        self._reach[block] = reach
+        return reach
+
     def _leading_run(self, group: int) -> int:
         """How many leading full blocks ``group`` holds."""
         counts = self._block_counts(group)
@@ -95,15 +125,20 @@ class ServedIndex:
     def _block_counts(self, group: int) -> list[int]:
         counts = self._counts.get(group)
         if counts is None:
-            counts = [0]
-            for index in range(self._keys.num_full_blocks):
-                counts.append(counts[-1] + (self._keys.block_key(index, group) in self._present))
+            counts, present = [0], self._present
+            for ref in self._keys.block_refs(group):
+                counts.append(counts[-1] + (ref.key in present))
             self._counts[group] = counts
         return counts
 
     def _inner_index(self, group: int, block: int) -> tuple[list[int], list[ObjectRef | None]]:
-        """The candidate ends inside ``block`` and, for each, the first stored object at or after it."""
+        """Ends inside ``block`` and, for each, the first stored object at or after it: the stored ends
+        only where the stored keys are known (``_stored_inner``), else every candidate end."""
         found = self._inner.get((group, block))
+        if found is None and self._stored_inner is not None:
+            stored = self._stored_inner.get((group, block), {})
+            ends = sorted(stored)
+            found = self._inner[(group, block)] = (ends, [stored[end] for end in ends])
         if found is None:
             ends = self._keys.inner_candidates(block)
             first_stored: list[ObjectRef | None] = [None] * (len(ends) + 1)
@@ -113,3 +148,19 @@ class ServedIndex:
                 first_stored[position] = stored if stored is not None else first_stored[position + 1]
             found = self._inner[(group, block)] = (ends, first_stored[: len(ends)])
         return found
+
+
+def _stored_inner(keys: PromptKeys, present: frozenset[str]) -> dict[tuple[int, int], dict[int, ObjectRef]] | None:
+    """(group, block) -> end -> the stored tail (else pointer) ending there, read off ``present``; None
+    when a stored key is not one ``keys`` has built (it may still be one of its candidates: the caller
+    walks them)."""
+    found: dict[tuple[int, int], dict[int, ObjectRef]] = {}
+    for key in present:
+        ref = keys.ref_of(key)
+        if ref is None:
+            return None
+        if ref.kind is KeyKind.TAIL or ref.kind is KeyKind.POINTER:
+            at = found.setdefault((ref.group, ref.block_index), {})
+            if ref.kind is KeyKind.TAIL or ref.token_end not in at:  # a tail first, as ``_inner_refs`` has it
+                at[ref.token_end] = ref
+    return found

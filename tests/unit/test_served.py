@@ -72,3 +72,20 @@ def test_a_long_prompt_with_nothing_stored_is_answered_without_walking_each_bloc
     keys = PromptKeys.build(tokens, 256, 1, "0123456789abcdef", ROOT, grid=64)
     found = find_stored_prefix(keys, lambda asked: [False] * len(asked))
     assert (found.tokens, found.hit_tokens) == (0, 0)
+
+
+def test_a_lookup_leaves_no_reference_cycle_behind():
+    """A prompt's keys are freed as soon as the lookup drops them (reference counting), not at the
+    collector's next full pass: in an engine that pass is a pause, and every request's keys and refs
+    would be held until it. (The index a lookup caches in the keys refers back to them weakly.)"""
+    import weakref
+
+    base = [i % 5 for i in range(120)]
+    stored = set(published(base[:70], LAYOUTS["swa"], 1, 4))
+    keys = keys_for(base, LAYOUTS["swa"], 1, 4)
+    found = find_stored_prefix(keys, lambda asked: [key in stored for key in asked])
+    assert found.tokens == 70
+    assert keys.served(found.present).longest(range(121)) == (70, 70)
+    gone = weakref.ref(keys)
+    del keys
+    assert gone() is None
