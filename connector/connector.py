@@ -265,6 +265,8 @@ class KVToolConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self):
         if self._worker is not None:
             self._worker.shutdown()
+        if self._scheduler is not None and self._scheduler.request_log is not None:
+            self._scheduler.request_log.close()
         if self._store is not None:
             self._store.close()
             self._store = None

@@ -92,7 +92,7 @@ class SchedulerSide:
             if store is not None
             else None
         )
-        self._request_log = RequestLog(config.request_log) if config.request_log else None
+        self.request_log = RequestLog(config.request_log) if config.request_log else None
         self._step_wait_left = SYNC_LOOKUP_BUDGET_S
         self._step = 0  # scheduler steps built so far (the request timelines count in them)
         self._last_build_s = 0.0
@@ -443,7 +443,7 @@ class SchedulerSide:
         if answer is not None:
             self._pending_saves.append(answer)
             self._holding.add(request.request_id)
-        details = tracked.hit_details(self._ranks)
-        if self._request_log is not None:
-            self._request_log.write(request, details)
-        return answer is not None, {"kvtool": details.to_dict()}
+        details = tracked.hit_details(self._ranks).to_dict()
+        if self.request_log is not None:
+            self.request_log.write(request, details)
+        return answer is not None, {"kvtool": details}
