@@ -23,6 +23,7 @@ from .prefix import PromptKeys
 from .search import ExistsFn, ReadFn, StoredPrefix, find_stored_prefixes
 
 Outcome = StoredPrefix | StoreError
+FindFn = Callable[[list[PromptKeys], ExistsFn, "ReadFn | None", int], list[StoredPrefix]]
 
 # A pointer read gets this share of the lookup's time-out: when it stalls (a first transfer from a
 # peer's segment can, see the README's known issues), the lookup still answers, with the hit that
@@ -62,7 +63,9 @@ class LookupBatcher:
         calls: BoundedCalls | None = None,
         read: ReadFn | None = None,
         extend_min_tokens: int = 1,
+        find: FindFn = find_stored_prefixes,
     ):
+        self._find = find  # a consumer's longest stored prefixes; a producer's stored objects
         self._exists = exists
         self._read = read
         self._extend_min_tokens = extend_min_tokens
@@ -104,7 +107,7 @@ class LookupBatcher:
         prompts = [p.keys for _, p in waiting]
         try:
             future = self._calls.submit(
-                lambda: find_stored_prefixes(prompts, self._exists, self._read, self._extend_min_tokens), "lookup"
+                lambda: self._find(prompts, self._exists, self._read, self._extend_min_tokens), "lookup"
             )
         except StoreError as exc:
             for _, pending in waiting:

@@ -19,7 +19,7 @@ from .lookups import POINTER_READ_SHARE, LookupBatcher, Outcome, pointer_reader
 from .prefix import ObjectRef, plan_load, plan_save, single_group
 from .profit import HitJudge
 from .ranks import on_every_rank, rank_components
-from .search import StoredPrefix
+from .search import StoredPrefix, find_saved_objects, find_stored_prefixes
 from .store import KVStore, StoreError
 from .saveplans import add_state_saves, last_put_key, save_transfer, state_transfers
 from .tracking import KeySpace, RequestLog, TrackedRequest
@@ -88,6 +88,7 @@ class SchedulerSide:
                 calls=lookup_calls,
                 read=pointer_reader(store, config.lookup_timeout_s * POINTER_READ_SHARE, self._block_size),
                 extend_min_tokens=config.extend_min_tokens,
+                find=find_stored_prefixes if self._loads_enabled else find_saved_objects,
             )
             if store is not None
             else None

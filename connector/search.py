@@ -17,7 +17,7 @@ from .groups import GroupKind
 from .hashing import block_hashes, tail_hash
 from .keys import KeyKind, decode_key, object_key
 from .objects import ObjectRejected, PointerRecord, verify_pointer
-from .prefix import ObjectRef, PromptKeys
+from .prefix import ObjectRef, PromptKeys, plan_save
 
 ExistsFn = Callable[[list[str]], list[bool]]
 ReadFn = Callable[[list[str]], list["bytes | None"]]  # small objects (pointer records) by key
@@ -139,6 +139,18 @@ def find_stored_prefixes(
             keys.block_size, tokens, hit, found, queries, pointers.targets, pointers.unread, extended
         ))  # fmt: skip
     return results
+
+
+def find_saved_objects(
+    prompts: Sequence[PromptKeys], exists: ExistsFn, read: ReadFn | None = None, extend_min_tokens: int = 1
+) -> list[StoredPrefix]:
+    """Which of each prompt's own objects (``plan_save``) are stored, in one existence query: what a
+    producer asks, which saves its prompts and never loads (its save skips the objects found). No
+    prefix is searched: ``tokens`` and ``hit_tokens`` are 0. (The signature is
+    ``find_stored_prefixes``'s, so a lookup batcher runs either.)"""
+    del read, extend_min_tokens  # no hit: no pointer is read, nothing is extended
+    found = _ask(exists, [plan_save(keys) for keys in prompts])
+    return [StoredPrefix(keys.block_size, 0, 0, present) for keys, present in zip(prompts, found, strict=True)]
 
 
 def _longest(keys: PromptKeys, ends: Sequence[int], known: frozenset[str]) -> tuple[int, int]:
