@@ -1,0 +1,35 @@
+"""A producer's lookup: only whether the objects its save would put are stored."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from connector.prefix import plan_save
+from connector.scheduler import SchedulerSide
+
+from .scripted_store import InlineCalls, ScriptedStore
+from .test_scheduler import CONFIG, NS, PROMPT, publish, request
+
+
+def test_a_producer_asks_only_whether_its_own_objects_are_stored():
+    """A producer never loads: its lookup is one existence query for the objects its save would put
+    (no tail candidates of other lengths, no pointer read), and its save skips those found."""
+    store = ScriptedStore()
+    publish(store, PROMPT[:64])
+    asked: list[list[str]] = []
+    exists = store.exists
+    store.exists = lambda keys: asked.append(list(keys)) or exists(keys)
+    store.get = lambda keys, object_bytes=0: pytest.fail("a producer read a pointer")
+    side = SchedulerSide(CONFIG, NS, store, loads_enabled=False, saves_enabled=True, lookup_calls=InlineCalls())
+    req = request(PROMPT)
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[])
+    side.build_connector_meta(  # sends the step's lookups
+        SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=cached, num_scheduled_tokens={})
+    )
+    keys = side._track(req).keys
+    assert asked == [[ref.key for ref in plan_save(keys)]]
+    outcome = side._lookups.poll(req.request_id)
+    assert sorted(outcome.present) == sorted(ref.key for ref in plan_save(keys)[:2])  # the two stored blocks
