@@ -22,6 +22,9 @@ from .prefix import ObjectRef, PromptKeys, plan_save
 ExistsFn = Callable[[list[str]], list[bool]]
 ReadFn = Callable[[list[str]], list["bytes | None"]]  # small objects (pointer records) by key
 POINTER_ROUNDS = 2  # at most this many (read, exists) rounds settle a lookup's pointers
+# The first query asks for the first block's candidate ends too when there are at most this many (a
+# few dozen keys cost less than a second round trip; at block 32 and hash unit 1 there are 35).
+FIRST_BLOCK_PROBE_MAX = 64
 
 
 @dataclass(frozen=True)
@@ -71,10 +74,16 @@ def _ask(exists: ExistsFn, refs_per_prompt: list[list[ObjectRef]]) -> list[froze
 
 
 def _first_round_ends(keys: PromptKeys) -> list[int]:
-    """Candidate ends asked about first: every block boundary and the tail boundaries of the
-    prompt's last block."""
+    """Candidate ends asked about first: every block boundary, the tail boundaries of the prompt's
+    last block, and those of its first block where they are few (``FIRST_BLOCK_PROBE_MAX``). With the
+    first block's, a miss (the commonest lookup) and a prompt extending a stored sub-block one are
+    answered by this query alone; where a block has many (255 at block 256 and hash unit 1), hashing
+    and asking them for every prompt, block 0 stored or not, costs more than the round trip saved."""
     ends = {(i + 1) * keys.block_size for i in range(keys.num_full_blocks)}
     ends.update(keys.inner_candidates(len(keys.tokens) // keys.block_size))
+    first = keys.inner_candidates(0)
+    if len(first) <= FIRST_BLOCK_PROBE_MAX:
+        ends.update(first)
     return sorted(ends)
 
 
@@ -101,13 +110,14 @@ def find_stored_prefixes(
     """Longest stored prefix of each prompt, to the token, in at most two queries and two pointer rounds.
 
     The first query asks, for every prompt and group, for every full-block key, the tail (or state)
-    candidates of the prompt's last block, and the state one token short of the prompt, which
-    answers the common cases (a repeated prompt; every block stored) in one round trip. Where the
-    stored block boundaries stop earlier, at block k, a second query (one for all such prompts) asks
-    for the candidates inside block k: that is where a stored shorter prompt (a sub-block prompt,
-    the previous chat turn) ends. With ``read``, the pointers a hit relies on or may extend it are read
-    (``_settle_pointers``) and the hit goes on to the exact common prefix (``_extend``; from a block
-    boundary, only by ``extend_min_tokens`` or more: the config's ``extend_min_tokens``).
+    candidates of the prompt's last block and (where they are few) of its first one, and the state
+    one token short of the prompt, which answers the common cases (a miss; a repeated prompt; every
+    block stored; a stored sub-block prompt) in one round trip. Where the stored block boundaries
+    stop later, at block k, a second query (one for all such prompts) asks for the candidates inside
+    block k: that is where a stored shorter prompt (the previous chat turn) ends. With ``read``, the
+    pointers a hit relies on or may extend it are read (``_settle_pointers``) and the hit goes on to
+    the exact common prefix (``_extend``; from a block boundary, only by ``extend_min_tokens`` or
+    more: the config's ``extend_min_tokens``).
     """
     first_ends = [_first_round_ends(keys) for keys in prompts]
     present = _ask(exists, [keys.probe_refs(ends, blocks=True) for keys, ends in zip(prompts, first_ends, strict=True)])
@@ -116,7 +126,10 @@ def find_stored_prefixes(
     for keys, ends, found in zip(prompts, first_ends, present, strict=True):
         length = len(keys.tokens)
         block = _chain_blocks(keys, ends, found)
-        inner_ends.append([] if block == length // keys.block_size else keys.inner_candidates(block))
+        asked = block == length // keys.block_size or (
+            block == 0 and len(keys.inner_candidates(0)) <= FIRST_BLOCK_PROBE_MAX
+        )
+        inner_ends.append([] if asked else keys.inner_candidates(block))
     second_refs = [keys.probe_refs(ends, blocks=False) for keys, ends in zip(prompts, inner_ends, strict=True)]
     asked_twice = any(second_refs)
     more = _ask(exists, second_refs) if asked_twice else [frozenset() for _ in prompts]

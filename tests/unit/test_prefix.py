@@ -51,7 +51,19 @@ def test_cross_block_prompt_extended_hits_blocks_plus_tail():
     plan = hit(store, PROMPT[:120])
     assert (plan.external_tokens, plan.block_tokens, plan.tail_tokens) == (85, 64, 21)
     assert [o.kind for o in plan.objects] == [KeyKind.BLOCK, KeyKind.BLOCK, KeyKind.TAIL]
-    assert store.queries == [3 + 24, 31]  # blocks + last-block tails, then the tails of block 2
+    assert store.queries == [3 + 24 + 31, 31]  # blocks + last- and first-block tails, then block 2's tails
+
+
+def test_a_miss_and_a_sub_block_hit_take_one_query():
+    """The first query asks for the first block's tails too: a miss (nothing stored) and a prompt
+    extending a stored sub-block one are answered by it alone."""
+    store = KeySet()
+    assert hit(store, PROMPT[:120]).external_tokens == 0
+    assert store.queries == [3 + 24 + 31]
+    store.publish(PROMPT[:20])
+    store.queries.clear()
+    assert hit(store, PROMPT[:120]).external_tokens == 20
+    assert len(store.queries) == 1
 
 
 def test_repeated_prompt_hits_in_one_query_leaving_one_token():
