@@ -325,7 +325,8 @@ class PromptKeys:
         return None if final is None else refs + [final]
 
     def served(self, present: frozenset[str]) -> ServedIndex:
-        """Which lengths ``present`` serves (``ServedIndex``), built once per set of stored keys."""
+        """Which lengths ``present`` serves (``ServedIndex``), built once per set of stored keys. The
+        index refers to these keys weakly (no cycle): use it while they are alive."""
         index = self._served.get(present)
         if index is None:
             index = self._served[present] = ServedIndex(self, present)

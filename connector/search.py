@@ -22,9 +22,15 @@ from .prefix import ObjectRef, PromptKeys, plan_save
 ExistsFn = Callable[[list[str]], list[bool]]
 ReadFn = Callable[[list[str]], list["bytes | None"]]  # small objects (pointer records) by key
 POINTER_ROUNDS = 2  # at most this many (read, exists) rounds settle a lookup's pointers
-# The first query asks for the first block's candidate ends too when there are at most this many (a
-# few dozen keys cost less than a second round trip; at block 32 and hash unit 1 there are 35).
+# The first query asks for the first block's candidate ends too when they and the cache groups make
+# at most this many (a few dozen keys, hashed and asked, cost less than a second round trip): at block
+# 32 and hash unit 1, one group, 31 ends (35 keys with the pointers); not the 255 ends of block 256.
 FIRST_BLOCK_PROBE_MAX = 64
+
+
+def _first_block_asked_first(keys: PromptKeys) -> bool:
+    """Whether the first query asks for the first block's candidates (``FIRST_BLOCK_PROBE_MAX``)."""
+    return len(keys.inner_candidates(0)) * len(keys.groups) <= FIRST_BLOCK_PROBE_MAX
 
 
 @dataclass(frozen=True)
@@ -81,9 +87,8 @@ def _first_round_ends(keys: PromptKeys) -> list[int]:
     and asking them for every prompt, block 0 stored or not, costs more than the round trip saved."""
     ends = {(i + 1) * keys.block_size for i in range(keys.num_full_blocks)}
     ends.update(keys.inner_candidates(len(keys.tokens) // keys.block_size))
-    first = keys.inner_candidates(0)
-    if len(first) <= FIRST_BLOCK_PROBE_MAX:
-        ends.update(first)
+    if _first_block_asked_first(keys):
+        ends.update(keys.inner_candidates(0))
     return sorted(ends)
 
 
@@ -126,9 +131,7 @@ def find_stored_prefixes(
     for keys, ends, found in zip(prompts, first_ends, present, strict=True):
         length = len(keys.tokens)
         block = _chain_blocks(keys, ends, found)
-        asked = block == length // keys.block_size or (
-            block == 0 and len(keys.inner_candidates(0)) <= FIRST_BLOCK_PROBE_MAX
-        )
+        asked = block == length // keys.block_size or (block == 0 and _first_block_asked_first(keys))
         inner_ends.append([] if asked else keys.inner_candidates(block))
     second_refs = [keys.probe_refs(ends, blocks=False) for keys, ends in zip(prompts, inner_ends, strict=True)]
     asked_twice = any(second_refs)

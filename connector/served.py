@@ -96,8 +96,9 @@ class ServedIndex:
         return first_stored[position] if position < len(ends) else None
 
     def _reach_inside(self, block: int) -> int:
-        """The furthest end inside ``block`` that every attention group may serve: the last stored tail
-        or pointer there (no bound where the group holds the block whole). A bound only: ``serves`` says."""
+        """A bound on the ends inside ``block`` that every attention group may serve: per group, the last
+        stored tail or pointer there (the last candidate end, where the stored keys are not all known:
+        ``_inner_index``), none where it holds the block whole. ``serves`` says which ends are served."""
         reach = self._reach.get(block)
         if reach is not None:
             return reach

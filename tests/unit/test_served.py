@@ -89,3 +89,36 @@ def test_a_lookup_leaves_no_reference_cycle_behind():
     gone = weakref.ref(keys)
     del keys
     assert gone() is None
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    layout=st.sampled_from(sorted(LAYOUTS)),
+    prompt=st.lists(st.integers(0, 3), min_size=1, max_size=40),
+    cuts=st.lists(st.integers(1, 40), min_size=1, max_size=4),
+    unit=st.sampled_from([1, 2, 3]),
+    grid=st.sampled_from([0, 2, 4]),
+    kept=st.randoms(use_true_random=False),
+)
+def test_the_index_read_off_the_stored_keys_serves_what_the_walk_serves(layout, prompt, cuts, unit, grid, kept):
+    """A lookup's own case: every stored key is one the prompt's keys asked about (built), so the index
+    reads the stored tails and pointers off them instead of walking each candidate end."""
+    groups = LAYOUTS[layout]
+    stored: set[str] = set()
+    for cut in cuts:
+        for key in published(prompt[:cut], groups, unit, grid) + published(prompt + [1, 2], groups, unit, grid):
+            if kept.random() < 0.7:
+                stored.add(key)
+    keys = keys_for(prompt, groups, unit, grid)
+    keys.probe_refs(range(1, len(prompt) + 1), blocks=True)  # what a lookup asks about, every end at once
+    present = frozenset(key for key in stored if keys.ref_of(key) is not None)
+    index = ServedIndex(keys, present)
+    assert index._stored_inner is not None  # the path a lookup takes
+    served = [hit for hit in range(1, len(prompt) + 1) if keys.serves(hit, present)]
+    walked = (max(served, default=0), max((hit for hit in served if hit < len(prompt)), default=0))
+    assert index.longest(range(0, len(prompt) + 1)) == walked
+    for hit in range(0, len(prompt) + 1):
+        assert index.serves(hit) == keys.serves(hit, present), (hit, layout)
+        for group in groups:
+            if group.kind is not GroupKind.STATE and hit > 0:
+                assert index.last_object(group, hit) == keys._last_object(group, hit, present), (hit, group)
