@@ -163,11 +163,8 @@ class PromptKeys:
         """A tail's or a pointer's ref: both have the tail hash of the prefix ending at ``boundary``."""
         ref = self._refs.get((kind, boundary, group))
         if ref is None:
-            index = boundary // self.block_size
-            digest = self.tail_hash(boundary)
-            ref = self._keep((kind, boundary, group), ObjectRef(
-                object_key(self.namespace, group, kind, boundary, digest), group, kind, index,
-                index * self.block_size, boundary, digest))  # fmt: skip
+            self.tail_hash(boundary)  # says why not, for a boundary that has no tail hash
+            ref = self._refs_of(kind, [boundary], group)[0]
         return ref
 
     def pointers_inside(self, ref: ObjectRef) -> list[ObjectRef]:

@@ -76,7 +76,7 @@ class ServedIndex:
         counts = self._block_counts(group.index)
         if first < last and counts[last] - counts[first] != last - first:
             return False
-        if last < keys.num_full_blocks and counts[last + 1] > counts[last]:
+        if self._holds_block(group.index, last):
             return True  # that block is stored whole (no ref built: this runs for every candidate end)
         return self.last_object(group, hit) is not None
 
@@ -85,10 +85,8 @@ class ServedIndex:
         first stored tail or pointer at or after ``hit`` inside that block."""
         keys = self._keys
         index = (hit - 1) // keys.block_size
-        if index < keys.num_full_blocks:
-            counts = self._block_counts(group.index)
-            if counts[index + 1] > counts[index]:
-                return keys.block_ref(index, group.index)
+        if self._holds_block(group.index, index):
+            return keys.block_ref(index, group.index)
         if hit % keys.block_size == 0:
             return None  # every candidate end inside the block lies before its end
         ends, first_stored = self._inner_index(group.index, index)
@@ -105,15 +103,17 @@ class ServedIndex:
         keys = self._keys
         reach = (block + 1) * keys.block_size
         for group in keys.groups:
-            if group.kind is GroupKind.STATE:
-                continue
-            counts = self._block_counts(group.index)
-            if block < keys.num_full_blocks and counts[block + 1] > counts[block]:
+            if group.kind is GroupKind.STATE or self._holds_block(group.index, block):
                 continue
             ends, _ = self._inner_index(group.index, block)
             reach = min(reach, ends[-1] if ends else 0)
         self._reach[block] = reach
         return reach
+
+    def _holds_block(self, group: int, block: int) -> bool:
+        """Whether ``group`` holds full block ``block`` of the prompt."""
+        counts = self._block_counts(group)
+        return block < self._keys.num_full_blocks and counts[block + 1] > counts[block]
 
     def _leading_run(self, group: int) -> int:
         """How many leading full blocks ``group`` holds."""

@@ -37,8 +37,28 @@ def published(tokens, groups, unit, grid) -> list[str]:
     return [ref.key for ref in refs + pointers + states]
 
 
-@settings(max_examples=150, deadline=None)
-@given(
+def related_store(prompt, groups, unit, grid, cuts, kept) -> set[str]:
+    """A random subset of what shorter prompts sharing its start, and one going on past it, publish."""
+    stored: set[str] = set()
+    for cut in cuts:
+        for key in published(prompt[:cut], groups, unit, grid) + published(prompt + [1, 2], groups, unit, grid):
+            if kept.random() < 0.7:
+                stored.add(key)
+    return stored
+
+
+def assert_index_is_the_walk(index, keys, present, groups, prompt):
+    served = [hit for hit in range(1, len(prompt) + 1) if keys.serves(hit, present)]
+    walked = (max(served, default=0), max((hit for hit in served if hit < len(prompt)), default=0))
+    assert index.longest(range(0, len(prompt) + 1)) == walked
+    for hit in range(0, len(prompt) + 1):
+        assert index.serves(hit) == keys.serves(hit, present), hit
+        for group in groups:
+            if group.kind is not GroupKind.STATE and hit > 0:
+                assert index.last_object(group, hit) == keys._last_object(group, hit, present), (hit, group)
+
+
+STORES = dict(
     layout=st.sampled_from(sorted(LAYOUTS)),
     prompt=st.lists(st.integers(0, 3), min_size=1, max_size=40),
     cuts=st.lists(st.integers(1, 40), min_size=1, max_size=4),
@@ -46,24 +66,15 @@ def published(tokens, groups, unit, grid) -> list[str]:
     grid=st.sampled_from([0, 2, 4]),
     kept=st.randoms(use_true_random=False),
 )
+
+
+@settings(max_examples=150, deadline=None)
+@given(**STORES)
 def test_the_index_serves_exactly_the_lengths_the_walk_serves(layout, prompt, cuts, unit, grid, kept):
     groups = LAYOUTS[layout]
-    stored: set[str] = set()
-    for cut in cuts:  # shorter prompts sharing its start, and one that goes on past it
-        for key in published(prompt[:cut], groups, unit, grid) + published(prompt + [1, 2], groups, unit, grid):
-            if kept.random() < 0.7:
-                stored.add(key)
     keys = keys_for(prompt, groups, unit, grid)
-    present = frozenset(stored)
-    index = ServedIndex(keys, present)
-    served = [hit for hit in range(1, len(prompt) + 1) if keys.serves(hit, present)]
-    walked = (max(served, default=0), max((hit for hit in served if hit < len(prompt)), default=0))
-    assert index.longest(range(0, len(prompt) + 1)) == walked
-    for hit in range(0, len(prompt) + 1):
-        assert index.serves(hit) == keys.serves(hit, present), (hit, layout)
-        for group in groups:
-            if group.kind is not GroupKind.STATE and hit > 0:
-                assert index.last_object(group, hit) == keys._last_object(group, hit, present), (hit, group)
+    present = frozenset(related_store(prompt, groups, unit, grid, cuts, kept))
+    assert_index_is_the_walk(ServedIndex(keys, present), keys, present, groups, prompt)
 
 
 def test_a_long_prompt_with_nothing_stored_is_answered_without_walking_each_block():
@@ -92,33 +103,15 @@ def test_a_lookup_leaves_no_reference_cycle_behind():
 
 
 @settings(max_examples=150, deadline=None)
-@given(
-    layout=st.sampled_from(sorted(LAYOUTS)),
-    prompt=st.lists(st.integers(0, 3), min_size=1, max_size=40),
-    cuts=st.lists(st.integers(1, 40), min_size=1, max_size=4),
-    unit=st.sampled_from([1, 2, 3]),
-    grid=st.sampled_from([0, 2, 4]),
-    kept=st.randoms(use_true_random=False),
-)
+@given(**STORES)
 def test_the_index_read_off_the_stored_keys_serves_what_the_walk_serves(layout, prompt, cuts, unit, grid, kept):
     """A lookup's own case: every stored key is one the prompt's keys asked about (built), so the index
     reads the stored tails and pointers off them instead of walking each candidate end."""
     groups = LAYOUTS[layout]
-    stored: set[str] = set()
-    for cut in cuts:
-        for key in published(prompt[:cut], groups, unit, grid) + published(prompt + [1, 2], groups, unit, grid):
-            if kept.random() < 0.7:
-                stored.add(key)
+    stored = related_store(prompt, groups, unit, grid, cuts, kept)
     keys = keys_for(prompt, groups, unit, grid)
     keys.probe_refs(range(1, len(prompt) + 1), blocks=True)  # what a lookup asks about, every end at once
     present = frozenset(key for key in stored if keys.ref_of(key) is not None)
     index = ServedIndex(keys, present)
     assert index._stored_inner is not None  # the path a lookup takes
-    served = [hit for hit in range(1, len(prompt) + 1) if keys.serves(hit, present)]
-    walked = (max(served, default=0), max((hit for hit in served if hit < len(prompt)), default=0))
-    assert index.longest(range(0, len(prompt) + 1)) == walked
-    for hit in range(0, len(prompt) + 1):
-        assert index.serves(hit) == keys.serves(hit, present), (hit, layout)
-        for group in groups:
-            if group.kind is not GroupKind.STATE and hit > 0:
-                assert index.last_object(group, hit) == keys._last_object(group, hit, present), (hit, group)
+    assert_index_is_the_walk(index, keys, present, groups, prompt)
