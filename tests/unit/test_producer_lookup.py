@@ -33,3 +33,26 @@ def test_a_producer_asks_only_whether_its_own_objects_are_stored():
     assert asked == [[ref.key for ref in plan_save(keys)]]
     outcome = side._lookups.poll(req.request_id)
     assert sorted(outcome.present) == sorted(ref.key for ref in plan_save(keys)[:2])  # the two stored blocks
+
+
+def test_a_producer_whose_lookup_fails_saves_every_object():
+    """A failing store makes a producer's lookup an error, never a claim that something is stored:
+    the save then copies every object of the prompt (the put thread asks the store again)."""
+    store = ScriptedStore()
+    publish(store, PROMPT[:64])
+    store.fail_exists = True
+    side = SchedulerSide(CONFIG, NS, store, loads_enabled=False, saves_enabled=True, lookup_calls=InlineCalls())
+    req = request(PROMPT)
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    chunk = SimpleNamespace(req_id="r1", block_ids=([4, 5, 6],), num_computed_tokens=0)
+    cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[])
+    meta = side.build_connector_meta(
+        SimpleNamespace(scheduled_new_reqs=[chunk], scheduled_cached_reqs=cached, num_scheduled_tokens={"r1": 85})
+    )
+    (save,) = meta.saves
+    assert [(t.block_id, t.kind.value, t.token_end) for t in save.transfers] == [
+        (4, "b", 32),
+        (5, "b", 64),
+        (6, "t", 85),
+    ]
+    assert save.already_stored == ()
