@@ -3,7 +3,7 @@
 A save copies its blocks out of the KV cache in the step that computed them: a later step may free
 and reuse them (a finished request's, a preempted one's). On the CPU that copy was made on the engine's
 thread, before the step's output went back to the scheduler, so it sat in every saved request's
-latency (a 1k-token prompt of the bench model: 75 MB, about 4 ms). vLLM 0.32 calls the connector's
+latency (a 1k-token prompt of the bench model: 25 MB). vLLM 0.32 calls the connector's
 ``handle_preemptions`` at the very start of every ``execute_model``, before it applies the next
 scheduler output (copy-on-write block copies included), runs a forward or lets the connector start a
 load; nothing writes a block between a step's ``wait_for_save`` and that hook. So the copies run on a
