@@ -24,6 +24,7 @@ _MOONCAKE_FIELDS = (
     "local_buffer_size",
     "protocol",
     "device_name",
+    "prefault_segment",
 )
 
 
@@ -86,6 +87,11 @@ class MooncakeSettings(BaseModel):
     device_name: str = ""
     global_segment_size: int = Field(default=256 << 20, ge=0, description="bytes this engine lends the store")
     local_buffer_size: int = Field(default=64 << 20, gt=0, description="client transfer buffer, bytes")
+    prefault_segment: bool = Field(
+        default=True,
+        description="fault the lent segment's pages in at start-up, on a background thread, so that puts into "
+        "it copy instead of faulting (connector/segment.py); the segment is then resident from the start",
+    )
 
     @field_validator("master_server_address")
     @classmethod

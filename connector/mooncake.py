@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from .calls import BoundedCalls, StoreError
 from .config import KVToolConfig, master_endpoints
 from .backend import PutOutcome
+from .segment import Prefault, new_region, prefault_in_background, read_maps
 
 if TYPE_CHECKING:
     from .staging import Lease, Region
@@ -31,6 +32,7 @@ class MooncakeStore:
 
     def __init__(self, config: KVToolConfig):
         self._config = config
+        self.prefault: Prefault | None = None  # the lent segment's fault-in (``segment``), where it runs
         # Only the connection runs here under a time-out; every other call is bounded by TimedStore.
         self._setup = BoundedCalls("kvtool-connect", limit=1)
         self._client = self._setup.call(self._connect, config.connect_timeout_s, "connecting to the Mooncake master")
@@ -43,6 +45,8 @@ class MooncakeStore:
         _check_reachable(self._config.mooncake.master_server_address, self._config.connect_timeout_s)
 
         client = MooncakeDistributedStore()
+        segment_bytes = self._config.mooncake.global_segment_size
+        maps_before = read_maps() if self._config.mooncake.prefault_segment and segment_bytes else ""
         code = client.setup(
             self._config.mooncake.local_hostname,
             self._config.mooncake.metadata_server,
@@ -54,6 +58,12 @@ class MooncakeStore:
         )
         if code != 0:
             raise StoreError(f"Mooncake setup returned {code} for master {self._config.mooncake.master_server_address}")
+        if maps_before:
+            region = new_region(maps_before, read_maps(), segment_bytes)
+            if region is None:
+                logger.info("kvtool: the store segment's mapping was not found; its pages fault in as puts come")
+            else:
+                self.prefault = prefault_in_background(region)
         return client
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
@@ -121,6 +131,8 @@ class MooncakeStore:
         return self._client.remove(key)
 
     def close(self) -> None:
+        if self.prefault is not None:
+            self.prefault.cancelled.set()
         client, self._client = self._client, None
         if client is not None:
             try:
