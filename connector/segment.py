@@ -46,9 +46,25 @@ def anonymous_regions(maps_text: str) -> set[Region]:
 
 
 def new_region(before: str, after: str, min_bytes: int) -> Region | None:
-    """The one anonymous mapping in ``after`` and not in ``before`` spanning at least ``min_bytes``;
-    None when there is none or more than one (which of them is the segment cannot be told)."""
-    grown = [r for r in anonymous_regions(after) - anonymous_regions(before) if r[1] - r[0] >= min_bytes]
+    """The one stretch of anonymous memory mapped in ``after`` and not in ``before`` spanning at least
+    ``min_bytes``; None when there is none or more than one (which is the segment cannot be told).
+
+    Only what is new counts: the kernel merges a new mapping into an adjacent one of the same kind,
+    and the older part (someone else's memory, perhaps a large reservation that is never touched)
+    must not be faulted in with it."""
+    old = sorted(anonymous_regions(before))
+    grown = []
+    for start, end in anonymous_regions(after):
+        cursor = start
+        for old_start, old_end in old:  # the parts of [start, end) no old mapping covered
+            if old_end <= cursor or old_start >= end:
+                continue
+            if old_start > cursor:
+                grown.append((cursor, old_start))
+            cursor = max(cursor, old_end)
+        if cursor < end:
+            grown.append((cursor, end))
+    grown = [r for r in grown if r[1] - r[0] >= min_bytes]
     return grown[0] if len(grown) == 1 else None
 
 

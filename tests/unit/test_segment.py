@@ -38,10 +38,48 @@ def test_no_mapping_or_two_candidates_find_nothing():
     assert new_region("", "not a maps file", 1) is None
 
 
-def test_a_mapping_that_grew_into_a_neighbour_counts_as_new():
-    # The kernel merges an adjacent mapping of the same kind: the segment then shows as a grown region.
+def test_only_the_new_part_of_a_mapping_that_grew_into_a_neighbour_counts():
+    # The kernel merges an adjacent mapping of the same kind: the older part is someone else's memory.
     grown = MAPS.replace("7f0000000000-7f0010000000", "7f0000000000-7f0050000000")
-    assert new_region(MAPS, grown, 1 << 30) == (0x7F0000000000, 0x7F0050000000)
+    assert new_region(MAPS, grown, 1 << 30) == (0x7F0010000000, 0x7F0050000000)
+    before = grown.replace("7f0000000000-7f0050000000", "7f0040000000-7f0050000000")
+    assert new_region(before, grown, 1 << 30) == (0x7F0000000000, 0x7F0040000000)  # grown downwards
+
+
+@given(
+    st.lists(st.tuples(st.integers(0, 63), st.integers(1, 16)), max_size=6),
+    st.lists(st.tuples(st.integers(0, 63), st.integers(1, 16)), max_size=6),
+)
+def test_the_region_found_is_new_memory_and_every_new_stretch_is_seen(old, new):
+    """Pages (of 1 MiB here) mapped before are never in the region found; with one stretch of new
+    pages at least the asked size, it is found whole."""
+
+    def maps(spans):
+        return "".join(f"{s << 20:x}-{(s + n) << 20:x} rw-p 00000000 00:00 0 \n" for s, n in spans)
+
+    def pages(regions):
+        return {page for start, end in regions for page in range(start >> 20, end >> 20)}
+
+    # The kernel's view: overlapping or adjacent mappings of one kind are one line.
+    def merged(spans):
+        covered = sorted(pages((s << 20, (s + n) << 20) for s, n in spans))
+        runs, start = [], None
+        for i, page in enumerate(covered):
+            start = page if start is None else start
+            if i + 1 == len(covered) or covered[i + 1] != page + 1:
+                runs.append((start, page + 1 - start))
+                start = None
+        return runs
+
+    before, after = merged(old), merged(old + new)
+    fresh = pages(anonymous_regions(maps(after))) - pages(anonymous_regions(maps(before)))
+    found = new_region(maps(before), maps(after), 4 << 20)
+    if found is not None:
+        assert pages([found]) <= fresh
+    stretches = [run for run in merged([(p, 1) for p in fresh]) if run[1] >= 4]
+    if len(stretches) == 1:
+        start, length = stretches[0]
+        assert found == (start << 20, (start + length) << 20)
 
 
 @given(st.lists(st.integers(min_value=1, max_value=5 * CHUNK_BYTES), min_size=1, max_size=3))
