@@ -124,26 +124,45 @@ def capacity_fields(capacity: dict[str, Any] | None) -> dict[str, Any]:
     }
 
 
-def producer_fields(run: dict[str, Any] | None) -> dict[str, Any]:
+def producer_fields(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The producer's throughput against none from ``producer.json`` (``kvtool bench --compare
-    kvtool,none``, this head), which replaces the peers run's figure where it exists."""
-    if run is None:
+    kvtool,none``, this head) and ``producer-none-first.json`` (``--compare none,kvtool``), which replace
+    the peers run's figure. The pairs run one after the other and the machine drifts between them by
+    as much as the effect, so each order is run once and the figure is the geometric mean of the two
+    runs' ratios (a drift that favours the pair run second cancels); each run's ratio is beside it."""
+    runs = [run for run in runs if run is not None]
+    if not runs:
         return {}
-    source = "producer.json (kvtool bench --compare kvtool,none)"
-    summary = {name: r["summary"] for name, r in run["connectors"].items()}
-    kvtool, none = summary["kvtool"], summary["none"]
-    engine = ratio(none.get("producer_engine_ms_p50"), kvtool.get("producer_engine_ms_p50"))
-    client = ratio(none.get("producer_ms_p50"), kvtool.get("producer_ms_p50"))
-    note = (
-        f"serial producer requests, each a new prompt (a miss): none's producer p50 over kvtool's by vLLM's "
-        f"own latency, {none['producer_engine_ms_p50']:.1f} / {kvtool['producer_engine_ms_p50']:.1f} ms"
-    )
+    source = "producer.json and producer-none-first.json (kvtool bench --compare kvtool,none and none,kvtool)"
+    by_run = []
+    for run in runs:
+        summary = {name: r["summary"] for name, r in run["connectors"].items()}
+        kvtool, none = summary["kvtool"], summary["none"]
+        by_run.append((ratio(none.get("producer_engine_ms_p50"), kvtool.get("producer_engine_ms_p50")),
+                       ratio(none.get("producer_ms_p50"), kvtool.get("producer_ms_p50")),
+                       ",".join(run["connectors"]), none["producer_engine_ms_p50"], kvtool["producer_engine_ms_p50"]))  # fmt: skip
+    engine = geometric_mean([r[0] for r in by_run])
+    client = geometric_mean([r[1] for r in by_run])
+    note = "serial producer requests, each a new prompt (a miss): none's producer p50 over kvtool's by vLLM's own " \
+        "latency; the geometric mean of " + "; ".join(
+            f"--compare {order}: {value} ({none_ms:.1f} / {kvtool_ms:.1f} ms)"
+            for value, _, order, none_ms, kvtool_ms in by_run)  # fmt: skip
+    client_note = "the same by the client's latency: " + ", ".join(str(r[1]) for r in by_run)
     return {
         "producer_throughput_vs_none": field(engine, ">= 0.97", engine is not None and engine >= 0.97, source, note),
         "producer_throughput_vs_none_client": field(
-            client, ">= 0.97", client is not None and client >= 0.97, source, "the same by the client's latency"
+            client, ">= 0.97", client is not None and client >= 0.97, source, client_note
         ),
     }
+
+
+def geometric_mean(values: list[float | None]) -> float | None:
+    if not values or any(value is None for value in values):
+        return None
+    product = 1.0
+    for value in values:
+        product *= value
+    return round(product ** (1 / len(values)), 3)
 
 
 def stream_fields(gaps: dict[str, Any] | None) -> dict[str, Any]:
@@ -163,7 +182,7 @@ def main() -> None:
         **data_path_fields(load(HERE / "data_path.json")),
         **lookup_fields(load(HERE / "lookup_latency.json"), load(HERE / "lookup_cpu.json")),
         **peer_fields(load(PEERS)),
-        **producer_fields(load(HERE / "producer.json")),
+        **producer_fields([load(HERE / "producer.json"), load(HERE / "producer-none-first.json")]),
         **capacity_fields(load(HERE.parent / "capacity-pressure" / "results.json")),
         **stream_fields(load(HERE / "stream_gap.json")),
     }
