@@ -35,7 +35,10 @@ class MooncakeStore:
         self.prefault: Prefault | None = None  # the lent segment's fault-in (``segment``), where it runs
         # Only the connection runs here under a time-out; every other call is bounded by TimedStore.
         self._setup = BoundedCalls("kvtool-connect", limit=1)
+        self._segment: tuple[int, int] | None = None  # where set-up mapped the lent segment, if found
         self._client = self._setup.call(self._connect, config.connect_timeout_s, "connecting to the Mooncake master")
+        if self._segment is not None:  # not for a set-up that outlived its time-out: that client is dropped
+            self.prefault = prefault_in_background(self._segment)
 
     def _connect(self):
         from mooncake.store import MooncakeDistributedStore
@@ -59,11 +62,9 @@ class MooncakeStore:
         if code != 0:
             raise StoreError(f"Mooncake setup returned {code} for master {self._config.mooncake.master_server_address}")
         if maps_before:
-            region = new_region(maps_before, read_maps(), segment_bytes)
-            if region is None:
+            self._segment = new_region(maps_before, read_maps(), segment_bytes)
+            if self._segment is None:
                 logger.info("kvtool: the store segment's mapping was not found; its pages fault in as puts come")
-            else:
-                self.prefault = prefault_in_background(region)
         return client
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
