@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -47,7 +46,7 @@ from connector.prefix import PromptKeys, plan_save  # noqa: E402
 from connector.store import open_store  # noqa: E402
 from connector.worker import WorkerSide  # noqa: E402
 from kvtool.store.master import LocalMaster  # noqa: E402
-from published import git_head, write_result  # noqa: E402 - the sibling module
+from published import provenance, write_result  # noqa: E402 - the sibling module
 
 LAYERS, HEADS, DIM, BLOCK = 32, 8, 128, 16
 NS = Namespace(model="bench", dtype="bfloat16", kv_layout="bench", block_size=BLOCK, num_layers=LAYERS,
@@ -245,8 +244,7 @@ def main() -> None:
         "layout": {"layers": LAYERS, "kv_heads": HEADS, "head_size": DIM, "block": BLOCK, "dtype": "bfloat16"},
         "device": args.device,
         "transport": "Mooncake TCP over loopback, the segment in a second process",
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
-        "head": git_head(),
+        **provenance(),
     }
     write_result(result, args.out)
 

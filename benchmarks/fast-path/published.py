@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import platform
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,11 @@ def git_head() -> str:
     return subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO
     ).stdout.strip()
+
+
+def provenance() -> dict[str, Any]:
+    """What a result says about where it ran: this machine's cores, the Python, the commit."""
+    return {"machine": {"cpus": os.cpu_count(), "python": platform.python_version()}, "head": git_head()}
 
 
 def write_result(result: dict[str, Any], out: Path | None, echo: bool = True) -> None:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import statistics
 import subprocess
@@ -37,7 +36,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 os.environ.update({"MC_TCP_BIND_ADDRESS": "127.0.0.1", "VLLM_HOST_IP": "127.0.0.1"})
-from published import git_head, write_result  # noqa: E402 - the sibling module
+from published import provenance, write_result  # noqa: E402 - the sibling module
 
 LAYERS, HEADS, DIM, BLOCK, TOKENS = 12, 4, 64, 32, 100
 OBJECT_BYTES, OBJECTS = 640 << 10, 4
@@ -170,7 +169,7 @@ def main() -> None:
         return child(args)
     from kvtool.store.master import LocalMaster
 
-    runs: dict[str, dict[str, list[dict[str, float]]]] = {"raw": {"off": [], "on": []}, "connector": {"off": [], "on": []}}
+    runs: dict[str, dict[str, list[dict[str, float]]]] = {path: {"off": [], "on": []} for path in ("raw", "connector")}
     master = LocalMaster().start()
     try:
         for _ in range(args.rounds):
@@ -193,8 +192,7 @@ def main() -> None:
             "segment_mib": args.segment_mib, "puts": args.puts, "rounds": args.rounds,
             "save": {"layers": LAYERS, "kv_heads": HEADS, "head_size": DIM, "block": BLOCK, "tokens": TOKENS,
                      "dtype": "float32"},
-            "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
-            "head": git_head(),
+            **provenance(),
         },
     }  # fmt: skip
     write_result(result, args.out)

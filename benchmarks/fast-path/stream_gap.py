@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import statistics
 import subprocess
@@ -32,7 +31,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 os.environ.update({"MC_TCP_BIND_ADDRESS": "127.0.0.1", "VLLM_HOST_IP": "127.0.0.1"})
-from published import git_head, write_result  # noqa: E402 - the sibling module
+from published import provenance, write_result  # noqa: E402 - the sibling module
 
 CONNECTORS = ("none", "kvtool")
 
@@ -159,8 +158,7 @@ def main() -> None:
         "max_num_batched_tokens": args.chunk, "rounds": args.rounds, "tail_s": args.tail_s,
         "kvtool": "kv_producer, block 32, hash unit 1, embedded store (the engine lends "
                   f"{args.segment_mib} MiB), loopback master",
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
-        "head": git_head(),
+        **provenance(),
     }  # fmt: skip
     write_result(result, args.out)
 

@@ -10,14 +10,17 @@ from hypothesis import strategies as st
 
 from connector.segment import CHUNK_BYTES, MADV_POPULATE_WRITE, Prefault, anonymous_regions, fault_in, new_region
 
-MAPS = """\
-55d0c0a00000-55d0c0a21000 rw-p 00000000 00:00 0                          [heap]
-7f0000000000-7f0010000000 rw-p 00000000 00:00 0 
-7f0010000000-7f0010001000 ---p 00000000 00:00 0 
-7f0020000000-7f0020400000 rw-s 00000000 00:05 1234                       /dev/zero (deleted)
-7f0030000000-7f0030001000 r--p 00000000 08:01 42                         /usr/lib/libc.so.6
-7f0040000000-7f0040200000 rw-p 00000000 08:01 43                         /usr/lib/libfoo.so
-"""
+MAPS = "".join(
+    line + "\n"
+    for line in (
+        "55d0c0a00000-55d0c0a21000 rw-p 00000000 00:00 0                          [heap]",
+        "7f0000000000-7f0010000000 rw-p 00000000 00:00 0 ",  # anonymous lines end in a space
+        "7f0010000000-7f0010001000 ---p 00000000 00:00 0 ",
+        "7f0020000000-7f0020400000 rw-s 00000000 00:05 1234                       /dev/zero (deleted)",
+        "7f0030000000-7f0030001000 r--p 00000000 08:01 42                         /usr/lib/libc.so.6",
+        "7f0040000000-7f0040200000 rw-p 00000000 08:01 43                         /usr/lib/libfoo.so",
+    )
+)
 
 
 def test_only_private_writable_mappings_without_a_file_are_candidates():
@@ -85,9 +88,9 @@ def test_the_region_found_is_new_memory_and_every_new_stretch_is_seen(old, new):
 @given(st.lists(st.integers(min_value=1, max_value=5 * CHUNK_BYTES), min_size=1, max_size=3))
 def test_every_byte_is_asked_for_once_in_chunks(sizes):
     for size in sizes:
-        calls = []
+        calls: list[tuple[int, int, int]] = []
         job = Prefault((4096, 4096 + size))
-        fault_in(job, lambda address, length, advice: calls.append((address, length, advice)) or 0)
+        fault_in(job, lambda *args, calls=calls: calls.append(args) or 0)
         assert [a for _, _, a in calls] == [MADV_POPULATE_WRITE] * len(calls)
         assert all(length <= CHUNK_BYTES for _, length, _ in calls)
         assert sum(length for _, length, _ in calls) == size == job.faulted_bytes
