@@ -83,7 +83,8 @@ class Prefault:
 
     @property
     def complete(self) -> bool:
-        return self.done.is_set() and self.error is None
+        """Every page of the region was faulted in (not refused, not cut short by a close)."""
+        return self.done.is_set() and self.faulted_bytes == self.region[1] - self.region[0]
 
 
 def _madvise() -> Callable[[int, int, int], int]:
