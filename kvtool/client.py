@@ -8,6 +8,7 @@ from typing import Any
 
 import httpx
 
+from kvtool import web
 from kvtool.errors import ServerError
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -68,13 +69,13 @@ def complete(
     started = time.perf_counter()
     try:
         if not stream:
-            response = httpx.post(url, json=body, timeout=timeout_s)
+            response = web.post(url, json=body, timeout=timeout_s)
             _raise_for_status(url, response)
             result = response.json()
             elapsed = time.perf_counter() - started
             result["kvtool_timing"] = {"ttft_s": elapsed, "total_s": elapsed}
             return result
-        with httpx.stream("POST", url, json=body, timeout=timeout_s) as response:
+        with web.stream("POST", url, json=body, timeout=timeout_s) as response:
             if response.status_code != 200:
                 response.read()
                 _raise_for_status(url, response)
@@ -145,7 +146,7 @@ def wait_healthy(base_url: str, timeout_s: float = 300.0, poll_s: float = 0.5) -
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            if httpx.get(url, timeout=2.0).status_code == 200:
+            if web.get(url, timeout=2.0).status_code == 200:
                 return
         except httpx.HTTPError:
             pass

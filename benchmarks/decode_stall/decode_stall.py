@@ -28,11 +28,11 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from kvtool import web  # noqa: E402
 from kvtool.pair.procs import find_free_port  # noqa: E402
 
 
@@ -71,7 +71,7 @@ def stream(base: str, model: str, tokens: list[int], max_tokens: int, gaps: list
         "ignore_eos": True,
     }
     last = None
-    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=600) as response:
+    with web.stream("POST", f"{base}/v1/completions", json=body, timeout=600) as response:
         for line in response.iter_lines():
             if not line.startswith("data:") or "[DONE]" in line:
                 continue
@@ -84,7 +84,7 @@ def stream(base: str, model: str, tokens: list[int], max_tokens: int, gaps: list
 def arrival(base: str, model: str, tokens: list[int]) -> dict:
     started = time.perf_counter()
     body = {"model": model, "prompt": tokens, "max_tokens": 2, "temperature": 0}
-    response = httpx.post(f"{base}/v1/completions", json=body, timeout=600).json()
+    response = web.post(f"{base}/v1/completions", json=body, timeout=600).json()
     details = (response.get("kv_transfer_params") or {}).get("kvtool") or {}
     return {"latency_s": time.perf_counter() - started, "lookup": details.get("lookup")}
 
@@ -95,7 +95,7 @@ ITL_BUCKET = "vllm:inter_token_latency_seconds_bucket"
 def itl_buckets(base: str) -> dict[float, float]:
     """The consumer engine's own inter-token latency histogram (cumulative counts by upper bound)."""
     buckets: dict[float, float] = {}
-    for line in httpx.get(f"{base}/metrics", timeout=30).text.splitlines():
+    for line in web.get(f"{base}/metrics", timeout=30).text.splitlines():
         if line.startswith(ITL_BUCKET):
             bound = line.split('le="', 1)[1].split('"', 1)[0]
             buckets[float("inf") if bound == "+Inf" else float(bound)] = float(line.rsplit(" ", 1)[1])
@@ -108,7 +108,7 @@ HOOK_PREFIX = "vllm:kvtool_engine_thread_"
 def hook_counters(base: str) -> dict[str, float]:
     """The connector's own time on the engine's thread (connector/hooktime.py), summed over both sides."""
     totals: dict[str, float] = {}
-    for line in httpx.get(f"{base}/metrics", timeout=30).text.splitlines():
+    for line in web.get(f"{base}/metrics", timeout=30).text.splitlines():
         if line.startswith(HOOK_PREFIX) and "_total" in line.split(" ", 1)[0]:
             name = line.split("{", 1)[0].split(" ", 1)[0].removeprefix(HOOK_PREFIX).removesuffix("_total")
             totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])

@@ -41,7 +41,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 
 LOOPBACK = "127.0.0.1"
 ENV = {"MC_TCP_BIND_ADDRESS": LOOPBACK, "VLLM_HOST_IP": LOOPBACK}
@@ -49,6 +48,7 @@ os.environ.update(ENV)  # before the Mooncake client is imported (MooncakeStore 
 
 from connector.config import KVToolConfig  # noqa: E402
 from connector.mooncake import MooncakeStore  # noqa: E402
+from kvtool import web  # noqa: E402
 from kvtool.store.master import LocalMaster  # noqa: E402
 from kvtool.store.mooncake import master_argv  # noqa: E402
 
@@ -87,7 +87,7 @@ class Master:
     def metrics(self) -> dict[str, float]:
         """The master's unlabelled Prometheus samples (key count, allocated bytes, ...)."""
         samples = {}
-        for line in httpx.get(f"{self.admin}/metrics", timeout=10).text.splitlines():
+        for line in web.get(f"{self.admin}/metrics", timeout=10).text.splitlines():
             name, _, value = line.partition(" ")
             if line and not line.startswith("#") and "{" not in name:
                 samples[name] = float(value)
@@ -99,11 +99,11 @@ class Master:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def segment_used_bytes(self) -> int:
-        detail = httpx.get(f"{self.admin}/get_segments_detail", timeout=10).json()
+        detail = web.get(f"{self.admin}/get_segments_detail", timeout=10).json()
         return sum(segment["allocator_used_bytes"] for segment in detail["segments"])
 
     def buffer_addresses(self, keys: Sequence[str]) -> list[int]:
-        answer = httpx.get(f"{self.admin}/batch_query_keys", params={"keys": ",".join(keys)}, timeout=10).json()
+        answer = web.get(f"{self.admin}/batch_query_keys", params={"keys": ",".join(keys)}, timeout=10).json()
         return [answer["data"][key]["values"][0]["buffer_address_"] for key in keys]
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 
+from kvtool import web
 from kvtool.pair.procs import find_free_port, log_tail
 
 REPO = Path(__file__).resolve().parents[2]
@@ -77,14 +78,14 @@ class Pair:
 
     def master_healthy(self) -> bool:
         try:
-            return httpx.get(f"{self.info['admin']}/health", timeout=1.0).status_code == 200
+            return web.get(f"{self.info['admin']}/health", timeout=1.0).status_code == 200
         except httpx.HTTPError:
             return False
 
     def key_exists(self, key: str) -> bool | None:
         """None when the admin port does not answer (the master is down or frozen)."""
         try:
-            answer = httpx.get(f"{self.info['admin']}/query_key?key={key}", timeout=1.0)
+            answer = web.get(f"{self.info['admin']}/query_key?key={key}", timeout=1.0)
         except httpx.HTTPError:
             return None
         try:

@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 
 from connector.hits import HitDetails
+from kvtool import web
 from kvtool.pair.profiles import profile
 from kvtool.pair.ready import ReadyFile
 from kvtool.client import complete
@@ -194,7 +195,7 @@ LATENCY_METRIC = "vllm:e2e_request_latency_seconds"
 def engine_totals(url: str, metric: str) -> tuple[float, float] | None:
     """(sum, count) of one of vLLM's histograms, or None when /metrics does not answer with it."""
     try:
-        text = httpx.get(url.rstrip("/") + "/metrics", timeout=5.0).text
+        text = web.get(url.rstrip("/") + "/metrics", timeout=5.0).text
     except httpx.HTTPError:
         return None
     total_s, count = total(text, metric + "_sum"), total(text, metric + "_count")

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import httpx
 
+from kvtool import web
 from kvtool.errors import ServerError, UserError
 
 LOOPBACK = "127.0.0.1"
@@ -59,7 +60,7 @@ def tcp_port_open(port: int, host: str = LOOPBACK, timeout: float = 0.5) -> bool
 
 def http_ok(url: str, timeout: float = 2.0) -> bool:
     try:
-        return httpx.get(url, timeout=timeout).status_code == 200
+        return web.get(url, timeout=timeout).status_code == 200
     except httpx.HTTPError:
         return False
 

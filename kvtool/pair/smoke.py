@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx
 
+from kvtool import web
 from kvtool import prometheus
 from rich.console import Console
 from rich.table import Table
@@ -46,7 +47,7 @@ metric_total = prometheus.total  # the one Prometheus parser (kvtool/prometheus.
 
 def _metrics(url: str) -> str:
     try:
-        return httpx.get(url.rstrip("/") + "/metrics", timeout=5.0).text
+        return web.get(url.rstrip("/") + "/metrics", timeout=5.0).text
     except httpx.HTTPError:
         return ""
 

@@ -15,6 +15,7 @@ from typing import Protocol
 
 import httpx
 
+from kvtool import web
 from kvtool import prometheus
 from kvtool.errors import ServerError, UserError
 
@@ -60,7 +61,7 @@ class MooncakeAdmin:
 
     def healthy(self) -> bool:
         try:
-            return httpx.get(f"{self.url.rstrip('/')}/health", timeout=2.0).status_code == 200
+            return web.get(f"{self.url.rstrip('/')}/health", timeout=2.0).status_code == 200
         except httpx.HTTPError:
             return False
 
@@ -68,7 +69,7 @@ class MooncakeAdmin:
         """``leader`` or ``standby`` for a master of a high-availability group (its ``/role``); None for a
         master that does not say (not in HA mode, or an older one)."""
         try:
-            answer = httpx.get(f"{self.url.rstrip('/')}/role", timeout=2.0)
+            answer = web.get(f"{self.url.rstrip('/')}/role", timeout=2.0)
         except httpx.HTTPError:
             return None
         role = answer.text.strip() if answer.status_code == 200 else ""
@@ -83,7 +84,7 @@ def open_admin(url: str) -> StoreAdmin:
 def key_exists(admin_url: str, key: str, timeout_s: float = 5.0) -> bool:
     url = f"{admin_url.rstrip('/')}/query_key?key={key}"
     try:
-        answer = httpx.get(url, timeout=timeout_s)
+        answer = web.get(url, timeout=timeout_s)
     except httpx.HTTPError as exc:
         raise ServerError(f"the Mooncake master admin at {admin_url} did not answer: {exc}") from None
     return answer.status_code == 200 and bool(answer.json().get("success"))
@@ -133,7 +134,7 @@ def admin_get(admin_url: str, path: str, timeout_s: float = 10.0) -> httpx.Respo
     """
     url = f"{admin_url.rstrip('/')}{path}"
     try:
-        answer = httpx.get(url, timeout=timeout_s)
+        answer = web.get(url, timeout=timeout_s)
     except httpx.InvalidURL as exc:
         raise UserError(
             f"{admin_url!r} is not a usable admin URL ({exc}); give one like http://127.0.0.1:9003"
