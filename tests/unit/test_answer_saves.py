@@ -3,7 +3,6 @@ until its worker has copied them, and never holding them when there is nothing t
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 
 import torch
 
@@ -17,7 +16,7 @@ from connector.scheduler import SchedulerSide
 from connector.worker import WorkerSide
 
 from .scripted_store import InlineCalls, ScriptedStore
-from .test_scheduler import CONFIG, NS, PROMPT, allocate, lookup, publish, request, step
+from .test_scheduler import CONFIG, NS, PROMPT, allocate, first_chunk, lookup, publish, request, step
 
 ANSWER = list(range(500, 520))  # 20 generated tokens: the last one has no KV when the request ends
 
@@ -75,11 +74,7 @@ def test_a_kv_both_engine_does_not_save_its_prompt_twice():
     side = engine(store, saves=True)
     req = decoded(PROMPT, ANSWER)
     side.get_num_new_matched_tokens(req, 0)
-    new = SimpleNamespace(req_id="r1", block_ids=([10, 11, 12],), num_computed_tokens=0)
-    cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[])
-    prompt_meta = side.build_connector_meta(
-        SimpleNamespace(scheduled_new_reqs=[new], scheduled_cached_reqs=cached, num_scheduled_tokens={"r1": 85})
-    )
+    prompt_meta = side.build_connector_meta(first_chunk([10, 11, 12], 85))
     assert [t.token_end for t in prompt_meta.saves[0].transfers] == [32, 64, 85]
     assert side.request_finished(req, ([10, 11, 12, 13],))[0]
     (answer,) = side.build_connector_meta(step()).saves

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
 from connector.prefix import plan_save
 from connector.scheduler import SchedulerSide
 
 from .scripted_store import InlineCalls, ScriptedStore
-from .test_scheduler import CONFIG, NS, PROMPT, publish, request
+from .test_scheduler import CONFIG, NS, PROMPT, first_chunk, publish, request, step
 
 
 def test_a_producer_asks_only_whether_its_own_objects_are_stored():
@@ -25,10 +23,7 @@ def test_a_producer_asks_only_whether_its_own_objects_are_stored():
     side = SchedulerSide(CONFIG, NS, store, loads_enabled=False, saves_enabled=True, lookup_calls=InlineCalls())
     req = request(PROMPT)
     assert side.get_num_new_matched_tokens(req, 0) == (0, False)
-    cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[])
-    side.build_connector_meta(  # sends the step's lookups
-        SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=cached, num_scheduled_tokens={})
-    )
+    side.build_connector_meta(step())  # sends the step's lookups
     keys = side._track(req).keys
     assert asked == [[ref.key for ref in plan_save(keys)]]
     outcome = side._lookups.poll(req.request_id)
@@ -44,11 +39,7 @@ def test_a_producer_whose_lookup_fails_saves_every_object():
     side = SchedulerSide(CONFIG, NS, store, loads_enabled=False, saves_enabled=True, lookup_calls=InlineCalls())
     req = request(PROMPT)
     assert side.get_num_new_matched_tokens(req, 0) == (0, False)
-    chunk = SimpleNamespace(req_id="r1", block_ids=([4, 5, 6],), num_computed_tokens=0)
-    cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[])
-    meta = side.build_connector_meta(
-        SimpleNamespace(scheduled_new_reqs=[chunk], scheduled_cached_reqs=cached, num_scheduled_tokens={"r1": 85})
-    )
+    meta = side.build_connector_meta(first_chunk([4, 5, 6], 85))
     (save,) = meta.saves
     assert [(t.block_id, t.kind.value, t.token_end) for t in save.transfers] == [
         (4, "b", 32),

@@ -239,6 +239,12 @@ def step(new=(), cached=None, scheduled=None, block_state=None):
     )
 
 
+def first_chunk(block_ids, tokens, req_id="r1"):
+    """The scheduler output of a step that schedules a new request's first ``tokens`` tokens."""
+    new = SimpleNamespace(req_id=req_id, block_ids=(list(block_ids),), num_computed_tokens=0)
+    return step(new=[new], scheduled={req_id: tokens})
+
+
 def test_a_hybrid_save_copies_every_group_from_vllms_current_tables_and_never_a_freed_block():
     from connector.groups import CacheGroup, GroupKind
 
@@ -419,11 +425,7 @@ def test_a_producer_request_that_reads_no_cached_prefix_still_saves_its_prompt()
     side = SchedulerSide(CONFIG, NS, store, loads_enabled=False, saves_enabled=True, lookup_calls=InlineCalls())
     req = request(PROMPT, skip_reading_prefix_cache=True)
     assert side.get_num_new_matched_tokens(req, 0) == (0, False)
-    new = SimpleNamespace(req_id="r1", block_ids=([4, 5, 6],), num_computed_tokens=0)
-    cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[])
-    meta = side.build_connector_meta(
-        SimpleNamespace(scheduled_new_reqs=[new], scheduled_cached_reqs=cached, num_scheduled_tokens={"r1": 85})
-    )
+    meta = side.build_connector_meta(first_chunk([4, 5, 6], 85))
     (save,) = meta.saves
     assert [(t.block_id, t.kind.value, t.token_end) for t in save.transfers] == [
         (4, "b", 32),
