@@ -3,6 +3,9 @@ each connector's pair (a running one, or one launched per connector); kvtool/com
 
 from __future__ import annotations
 
+import datetime
+import os
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from kvtool.errors import UserError
 from kvtool.pair.launch import launched_pair
 from kvtool.pair.ready import ReadyFile, read_ready_file
-from kvtool.pair.config import Reporter, ServePairConfig
+from kvtool.pair.config import REPO_ROOT, Reporter, ServePairConfig
 from kvtool.pair.profiles import profile
 from kvtool.pair.smoke import model_vocab_size
 
@@ -136,6 +139,7 @@ def run_bench(
     The caller has checked the input with ``check_bench_input`` (before building ``launch``).
     """
     assert (pair_file is None) != (launch is None)
+    measured = provenance()  # the checkout as the run starts (files edited during it are not its code)
     failures: dict[str, str] = {}
     if pair_file is not None:
         pair = read_ready_file(pair_file)
@@ -170,5 +174,27 @@ def run_bench(
         # The kvtool connector's pointer grid as the engines resolved it (divergence_grid None: auto).
         pair_config = {**launch.model_dump(mode="json"), "effective_divergence_grid": launch.effective_divergence_grid}
 
-    config_json = {**config.model_dump(mode="json"), "command": sys.argv}
+    config_json = {**config.model_dump(mode="json"), "command": sys.argv, **measured}
     return BenchOutcome(BenchDocument(config_json, pair_config, reports, bool(compare), failures))
+
+
+def provenance(repo: Path = REPO_ROOT) -> dict[str, Any]:
+    """Where a result is measured: the kvtool commit (``head``, with ``+`` when the checkout has
+    uncommitted changes to tracked files; None outside a git checkout), when (``started_at``, UTC) and
+    the machine's cores."""
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    head = git("rev-parse", "--short", "HEAD")
+    if head and git("status", "--porcelain", "--untracked-files=no"):
+        head += "+"
+    return {
+        "head": head,
+        "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "cpus": os.cpu_count(),
+    }

@@ -226,3 +226,25 @@ def test_bench_flags_map_to_the_config_and_a_bad_one_is_named():
         BenchConfig.from_options(**{**options, "trace_block_tokens": 0})
     with pytest.raises(UserError, match="--quiet-s"):
         BenchConfig.from_options(**{**options, "quiet_s": -1.0})
+
+
+def test_a_bench_result_names_the_commit_it_measured(tmp_path):
+    """A result says which code produced it: the checkout's short head (``+`` for uncommitted changes to
+    tracked files), when, and on how many cores; outside a git checkout the head is None."""
+    import subprocess
+
+    from kvtool.bench.command import provenance
+
+    def git(*args):
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    assert provenance(tmp_path)["head"] is None
+    git("init", "-q")
+    (tmp_path / "a.txt").write_text("one\n")
+    git("add", "a.txt")
+    git("-c", "user.name=t", "-c", "user.email=t@example.com", "commit", "-q", "-m", "one")
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tmp_path, capture_output=True, text=True)
+    found = provenance(tmp_path)
+    assert found["head"] == head.stdout.strip() and found["cpus"] >= 1 and found["started_at"].endswith("+00:00")
+    (tmp_path / "a.txt").write_text("two\n")
+    assert provenance(tmp_path)["head"] == head.stdout.strip() + "+"
