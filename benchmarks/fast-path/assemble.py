@@ -70,13 +70,21 @@ def pooled(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     for doc in docs:
         for name, run in doc["connectors"].items():
             requests.setdefault(name, []).extend(run["requests"])
-    block_size = docs[0]["pair"]["block_size"]
+    # The block size the bench's buckets use: the engines' own where a model sets it (hybrids).
+    sizes = {doc["pair"].get("kv_block_size") or doc["pair"]["block_size"] for doc in docs}
+    if len(sizes) != 1:
+        raise SystemExit(f"the peers runs to pool used different block sizes: {sorted(sizes)}")
+    block_size = sizes.pop()
     return {name: _pooled_summary(rows, block_size) for name, rows in requests.items()}
 
 
 def _pooled_summary(rows: list[dict[str, Any]], block_size: int) -> dict[str, Any]:
     def p50(members: list[dict[str, Any]], key: str = "ttft_ms") -> float | None:
-        consumers = [r for r in members if r.get("engine") == "consumer"] or members  # as ``summarize``
+        # As ``summarize``: the consumer's TTFT where the set has consumer requests (else every request's:
+        # chat's producer turns), and vLLM's engine TTFT of consumer requests only.
+        consumers = [r for r in members if r.get("engine") == "consumer"]
+        if not consumers and key == "ttft_ms":
+            consumers = members
         return percentile([r[key] for r in consumers if r.get(key) is not None], 0.5)
 
     workloads: dict[str, list[dict[str, Any]]] = {}
@@ -104,7 +112,9 @@ def peer_fields(docs: list[dict[str, Any] | None]) -> dict[str, Any]:
     orders = " and ".join(f"--compare {','.join(doc['connectors'])}" for doc in docs)
     source = f"../compare-peers/results*.json (kvtool bench {orders}; every request of these runs pooled)"
     runs = pooled(docs)
-    kvtool = runs.get("kvtool", {})
+    if "kvtool" not in runs:  # its pair failed in every run (the files' ``failures`` say why)
+        return {}
+    kvtool = runs["kvtool"]
     others = {name: run for name, run in runs.items() if name != "kvtool"}
 
     def lowest(value: float | None, peers: list[float | None]) -> bool:

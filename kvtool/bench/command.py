@@ -180,21 +180,24 @@ def run_bench(
 
 def provenance(repo: Path = REPO_ROOT) -> dict[str, Any]:
     """Where a result is measured: the kvtool commit (``head``, with ``+`` when the checkout has
-    uncommitted changes to tracked files; None outside a git checkout), when (``started_at``, UTC) and
-    the machine's cores."""
+    uncommitted changes to tracked files; None where kvtool is not a git checkout of its own, e.g.
+    installed into another project's environment), when (``started_at``, UTC) and the cores it may use."""
 
     def git(*args: str) -> str | None:
         try:
-            done = subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, timeout=10)
+            done = subprocess.run(
+                ["git", "--no-optional-locks", *args], cwd=repo, capture_output=True, text=True, timeout=10
+            )
         except (OSError, subprocess.SubprocessError):
             return None
         return done.stdout.strip() if done.returncode == 0 else None
 
-    head = git("rev-parse", "--short", "HEAD")
+    top = git("rev-parse", "--show-toplevel")
+    head = git("rev-parse", "--short", "HEAD") if top and Path(top).resolve() == repo.resolve() else None
     if head and git("status", "--porcelain", "--untracked-files=no"):
         head += "+"
     return {
         "head": head,
         "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "cpus": os.cpu_count(),
+        "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
     }

@@ -248,3 +248,6 @@ def test_a_bench_result_names_the_commit_it_measured(tmp_path):
     assert found["head"] == head.stdout.strip() and found["cpus"] >= 1 and found["started_at"].endswith("+00:00")
     (tmp_path / "a.txt").write_text("two\n")
     assert provenance(tmp_path)["head"] == head.stdout.strip() + "+"
+    # A directory inside another project's checkout (kvtool installed there) is not kvtool's checkout.
+    (tmp_path / "site").mkdir()
+    assert provenance(tmp_path / "site")["head"] is None

@@ -1,4 +1,4 @@
-"""kvtool's HTTP calls share one TLS context: a call costs its request, not a CA bundle load.
+"""kvtool's HTTP calls share a TLS context (one a thread): a call costs its request, not a CA bundle load.
 
 ``httpx.get`` builds a client, and with it an SSL context loaded with the CA bundle, on every call (about
 25 ms of CPU here), even for ``http://``. The serve-pair supervisor's health checks (twice a second) and
@@ -54,6 +54,13 @@ def test_health_checks_and_admin_calls_load_no_bundle_after_the_first(bundle_loa
     assert bundle_loads == []
 
 
-def test_one_context_serves_every_call():
+def test_one_context_serves_every_call_of_a_thread_and_each_thread_has_its_own():
+    import threading
+
     assert web.tls_context() is web.tls_context()
     assert isinstance(web.tls_context(), ssl.SSLContext)
+    other: list[ssl.SSLContext] = []
+    thread = threading.Thread(target=lambda: other.extend([web.tls_context(), web.tls_context()]))
+    thread.start()
+    thread.join()
+    assert other[0] is other[1] and other[0] is not web.tls_context()
