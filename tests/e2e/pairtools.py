@@ -129,6 +129,22 @@ def warm_pointer_reads(pair: dict, timeout_s: float = 120.0) -> None:
         seed += 2
 
 
+def warm_loads(pair: dict, blocks: int = 16, in_a_row: int = 2, timeout_s: float = 180.0) -> None:
+    """Wait until the consumer loads whole prompts with no failed load, ``in_a_row`` fresh prompts of
+    ``blocks`` blocks in a row: every worker's store client has then fetched objects from the
+    segments the store spreads them over. A client's first transfer from a peer's segment can stall
+    (Mooncake TCP, 30-60 s: the README's known issues); a test that asserts why a load failed must not
+    meet that stall instead of the fault it injects."""
+    block, deadline, seed, good = pair["block_size"], time.monotonic() + timeout_s, 8000, 0
+    while good < in_a_row:
+        tokens = prompt(seed, blocks * block + 3)
+        produce(pair, tokens)
+        details, _ = consume(pair, tokens)
+        good = good + 1 if details.load_failure is None and details.reused_tokens == len(tokens) - 1 else 0
+        assert good or time.monotonic() < deadline, f"no whole load in {timeout_s:.0f} s: {details}"
+        seed += 1
+
+
 def through_pointer_stalls(attempt, timeout_s: float = 150.0) -> HitDetails:
     """Run ``attempt(try_number)`` (a fresh stored prompt and its diverging one each time; it asserts
     what the consumer reused) until its lookup read the pointer records its hit relied on.

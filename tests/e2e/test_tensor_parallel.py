@@ -21,7 +21,7 @@ from connector.ranks import keys_on_every_rank
 from kvtool.store.admin import open_admin
 
 from .conftest import running_pair
-from .pairtools import consume, faults, produce, prompt, remove
+from .pairtools import consume, faults, produce, prompt, remove, warm_loads
 
 pytestmark = pytest.mark.e2e
 
@@ -32,6 +32,7 @@ LENGTH = 75  # two full blocks of 32 and a tail of 11: every object kind a promp
 @pytest.fixture(scope="module")
 def tp_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     with running_pair(tmp_path_factory.mktemp("tp2"), extra_args=("--tensor-parallel-size", str(TP))) as info:
+        warm_loads(info)  # every rank's first transfers from each segment made (and waited through)
         yield info
 
 
