@@ -7,6 +7,7 @@ import datetime
 import os
 import subprocess
 import sys
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from kvtool.errors import UserError
 from kvtool.pair.launch import launched_pair
+from kvtool.pair.procs import ProcessSet
 from kvtool.pair.ready import ReadyFile, read_ready_file
 from kvtool.pair.config import REPO_ROOT, Reporter, ServePairConfig
 from kvtool.pair.profiles import profile
@@ -25,7 +27,8 @@ from .config import CONNECTORS, BenchConfig, build_workload
 from .oracle import ideal_hits
 from .report import connector_report
 from .results import BenchDocument, ConnectorReport
-from .runner import PairRunner, WorkloadRun, check_reachable
+from .interleave import PAIR_PORT_FIELDS, alternate, base_ports, own_ports
+from .runner import PairRunner, QuietClock, WorkloadRun, check_reachable
 from .workloads.base import Step, WorkloadShape, longest_prompts, prompts_known
 
 
@@ -81,8 +84,15 @@ def check_bench_input(config: BenchConfig, pair_file: Path | None, launch: bool,
         raise UserError("give either --pair READY_FILE (written by kvtool serve-pair) or --launch")
     if pair_file is not None and compare:
         raise UserError("--compare starts one pair per connector; use it with --launch, not --pair")
+    if config.interleave and len(compare) < 2:
+        raise UserError("--interleave alternates the pairs of --compare; name two or more connectors with --compare")
     for spec in config.workloads:
         build_workload(spec, config)
+
+
+def progress_bar(progress_console: Console | None) -> Progress:
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    return Progress(*columns, console=progress_console, transient=False, disable=progress_console is None)
 
 
 def run_workloads(
@@ -92,14 +102,51 @@ def run_workloads(
     runner.warm_up()
     runs = []
     total = sum(len(p.steps) for p in planned)
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    progress_bar = Progress(*columns, console=progress_console, transient=False, disable=progress_console is None)
-    with progress_bar as progress:
+    with progress_bar(progress_console) as progress:
         task = progress.add_task(f"{pair.connector}", total=total)
         for workload in planned:
             progress.update(task, description=f"{pair.connector}: {workload.name}")
             runs.append(runner.run(workload.name, workload.steps, workload.ideal, lambda _: progress.advance(task)))
     return runs
+
+
+def run_interleaved(
+    pairs: dict[str, tuple[ReadyFile, ProcessSet]],
+    config: BenchConfig,
+    planned: list[PlannedWorkload],
+    progress_console: Console | None,
+    failures: dict[str, str],
+    say: Reporter,
+) -> dict[str, list[WorkloadRun]]:
+    """Every workload step sent to each pair in turn (kvtool/bench/interleave.py), one quiet clock for
+    all; a pair that fails is dropped (its reason in ``failures``), the others go on."""
+    quiet = QuietClock(config.quiet_s)
+    runners = {name: PairRunner(pair, config, quiet) for name, (pair, _procs) in pairs.items()}
+
+    def failed(name: str, exc: UserError) -> None:
+        dead = pairs[name][1].first_dead()
+        failures[name] = dead.died_error("while the pair was in use").message if dead is not None else exc.message
+        say(f"{name} failed: {failures[name]}")
+        del runners[name]
+
+    for name, runner in list(runners.items()):
+        try:
+            runner.warm_up()
+        except UserError as exc:
+            failed(name, exc)
+    runs: dict[str, list[WorkloadRun]] = {name: [] for name in runners}
+    total = sum(len(p.steps) for p in planned)
+    with progress_bar(progress_console) as progress:
+        tasks = {name: progress.add_task(name, total=total) for name in runners}
+        for workload in planned:
+            steppers = {}
+            for name, runner in runners.items():
+                runs[name].append(WorkloadRun(workload.name))
+                steppers[name] = runner.stepper(runs[name][-1], workload.steps, workload.ideal)
+                progress.update(tasks[name], description=f"{name}: {workload.name}")
+            targets = [step.target for step in workload.steps]
+            alternate(steppers, targets, lambda name, _target: progress.advance(tasks[name]), failed)
+    return {name: runs[name] for name in runners}
 
 
 def launch_config(cfg: ServePairConfig, connector: str, compare: bool = False) -> ServePairConfig:
@@ -152,30 +199,78 @@ def run_bench(
         pair_config: dict[str, Any] = {"ready_file": str(pair_file), **pair.model_dump()}
     else:
         assert launch is not None
-        connectors = compare or [launch.connector]
         planned = plan_workloads(
             config, launch.effective_block_size, launch.hash_unit, model_vocab_size(launch.model), launch.max_model_len
         )
-        reports: dict[str, ConnectorReport] = {}
-        # One pair at a time: each is stopped before the next starts (they share ports and cores).
-        for connector in connectors:
-            one = launch_config(launch, connector, compare=bool(compare))
-            say(f"launching a {connector} pair (logs in {one.log_dir})")
-            try:
-                with launched_pair(one, say) as (pair, _procs):
-                    runs = run_workloads(pair, config, planned, progress_console)
-                    reports[connector] = connector_report(runs, launch.effective_block_size)
-            except UserError as exc:
-                if len(connectors) == 1:
-                    raise
-                # One connector failing must not throw away the others' results.
-                failures[connector] = exc.message
-                say(f"{connector} failed: {exc.message}")
         # The kvtool connector's pointer grid as the engines resolved it (divergence_grid None: auto).
         pair_config = {**launch.model_dump(mode="json"), "effective_divergence_grid": launch.effective_divergence_grid}
+        if config.interleave:
+            reports, ports = _interleaved_reports(config, say, launch, compare, planned, progress_console, failures)
+            pair_config["interleaved_ports"] = ports
+        else:
+            reports = _one_by_one_reports(config, say, launch, compare, planned, progress_console, failures)
 
     config_json = {**config.model_dump(mode="json"), "command": sys.argv, **measured}
     return BenchOutcome(BenchDocument(config_json, pair_config, reports, bool(compare), failures))
+
+
+def _one_by_one_reports(
+    config: BenchConfig,
+    say: Reporter,
+    launch: ServePairConfig,
+    compare: list[str],
+    planned: list[PlannedWorkload],
+    progress_console: Console | None,
+    failures: dict[str, str],
+) -> dict[str, ConnectorReport]:
+    """One pair at a time: each is stopped before the next starts (they share ports and cores)."""
+    connectors = compare or [launch.connector]
+    reports: dict[str, ConnectorReport] = {}
+    for connector in connectors:
+        one = launch_config(launch, connector, compare=bool(compare))
+        say(f"launching a {connector} pair (logs in {one.log_dir})")
+        try:
+            with launched_pair(one, say) as (pair, _procs):
+                runs = run_workloads(pair, config, planned, progress_console)
+                reports[connector] = connector_report(runs, launch.effective_block_size)
+        except UserError as exc:
+            if len(connectors) == 1:
+                raise
+            # One connector failing must not throw away the others' results.
+            failures[connector] = exc.message
+            say(f"{connector} failed: {exc.message}")
+    return reports
+
+
+def _interleaved_reports(
+    config: BenchConfig,
+    say: Reporter,
+    launch: ServePairConfig,
+    compare: list[str],
+    planned: list[PlannedWorkload],
+    progress_console: Console | None,
+    failures: dict[str, str],
+) -> tuple[dict[str, ConnectorReport], dict[str, dict[str, int]]]:
+    """Every pair up at once (the first on the given ports, the others on free ones), then the
+    workloads alternated between them step by step; all are stopped at the end. Also each pair's ports."""
+    pairs: dict[str, tuple[ReadyFile, ProcessSet]] = {}
+    ports: dict[str, dict[str, int]] = {}
+    taken = base_ports(launch)
+    with ExitStack() as stack:
+        for slot, connector in enumerate(compare):
+            one = launch_config(launch, connector, compare=True)
+            one = own_ports(one, taken) if slot else one
+            say(f"launching a {connector} pair (logs in {one.log_dir}), {slot + 1} of {len(compare)} at once")
+            try:
+                pairs[connector] = stack.enter_context(launched_pair(one, say))
+            except UserError as exc:
+                failures[connector] = exc.message
+                say(f"{connector} failed: {exc.message}")
+                continue
+            ports[connector] = {name: getattr(one, name) for name in PAIR_PORT_FIELDS}
+        runs = run_interleaved(pairs, config, planned, progress_console, failures, say)
+    reports = {name: connector_report(runs[name], launch.effective_block_size) for name in compare if name in runs}
+    return reports, ports
 
 
 def provenance(repo: Path = REPO_ROOT) -> dict[str, Any]:

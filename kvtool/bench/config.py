@@ -58,6 +58,8 @@ class BenchConfig(BaseModel):
     # HTTP handling, adding 20-200 ms to its TTFT, which engines on other hosts never see. The same for
     # every connector (benchmarks/compare-peers/README.md).
     quiet_s: float = Field(default=1.5, ge=0)
+    # --compare with every pair up at once, each step sent to every pair in turn (kvtool/bench/interleave.py).
+    interleave: bool = False
 
     @classmethod
     def from_options(cls, **options: Any) -> BenchConfig:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -177,6 +177,21 @@ def answer_token_ids(response: dict[str, Any]) -> tuple[int, ...] | None:
 Advance = Callable[[str], None]
 
 
+class QuietClock:
+    """When the last request ended: each request starts ``quiet_s`` after it (BenchConfig.quiet_s), one
+    clock per bench run, shared by every pair an interleaved run alternates."""
+
+    def __init__(self, quiet_s: float) -> None:
+        self.quiet_s = quiet_s
+        self._last_done = 0.0
+
+    def wait(self) -> None:
+        time.sleep(max(0.0, self._last_done + self.quiet_s - time.monotonic()))
+
+    def done(self) -> None:
+        self._last_done = time.monotonic()
+
+
 @dataclass(frozen=True)
 class Exchange:
     """One request as sent and answered, with the kvtool connector's log line for it when read."""
@@ -224,30 +239,40 @@ def reused_steps(steps: list[Step]) -> set[int]:
 class PairRunner:
     """Runs workloads against one pair, one request at a time."""
 
-    def __init__(self, pair: ReadyFile, config: BenchConfig) -> None:
+    def __init__(self, pair: ReadyFile, config: BenchConfig, quiet: QuietClock | None = None) -> None:
         self.pair = pair
         self.config = config
         # A per-run salt keeps this run's prompts apart from an earlier run's on the same pair.
         self.run_id = uuid.uuid4().hex[:12]
-        self._last_done = 0.0  # when the last request ended (quiet_s counts from it)
+        # When the last request ended, quiet_s counts from it: shared by the pairs of an interleaved run.
+        self.quiet = quiet if quiet is not None else QuietClock(config.quiet_s)
         self.salt = f"kvtool-bench-{self.run_id}"
         self.request_logs = request_log_readers(pair)
 
     def warm_up(self) -> None:
-        """One untimed request to each engine, so that the first measured one pays no warm-up."""
+        """Untimed requests to each engine, so that the first measured one pays no warm-up: plain, then
+        streamed with top logprobs as the measured requests are (on a connector that shares the
+        producer's saves, the consumer's are hits)."""
         warm_prompt = list(range(FIRST_TOKEN_ID, FIRST_TOKEN_ID + 8))
         extra = {"cache_salt": f"{self.salt}-warm-up"}
+        timeout_s = self.config.request_timeout_s
         for url in (self.pair.producer, self.pair.consumer):
-            complete(url, self.pair.model, warm_prompt, 2, extra=extra, timeout_s=self.config.request_timeout_s)
-            complete(
-                url, self.pair.model, warm_prompt, 2, stream=True, extra=extra, timeout_s=self.config.request_timeout_s
-            )
+            complete(url, self.pair.model, warm_prompt, 2, extra=extra, timeout_s=timeout_s)
+            complete(url, self.pair.model, warm_prompt, 2, TOP_LOGPROBS, stream=True, extra=extra, timeout_s=timeout_s)
 
     def run(self, name: str, steps: list[Step], ideal: dict[int, int] | None, advance: Advance) -> WorkloadRun:
         """Send the steps in order. ``ideal``: the planned ideals of the consumer steps (the steps
         measured), or None for a workload whose prompts continue answers: every step is measured,
         against an oracle fed with what each request sent and generated."""
         run = WorkloadRun(name)
+        for target in self.stepper(run, steps, ideal):
+            advance(target)
+        return run
+
+    def stepper(self, run: WorkloadRun, steps: list[Step], ideal: dict[int, int] | None) -> Iterator[Target]:
+        """``run``'s steps one at a time: each ``next()`` sends one step (and records it in ``run``) and
+        yields its target, so that an interleaved bench can alternate the pairs step by step."""
+        name = run.workload
         ideals = run_ideals(ideal, self.pair.block_size, self.pair.hash_unit)
         durability = Durability(self.pair, self.config.durability_timeout_s)
         transcript = Transcript()
@@ -257,7 +282,7 @@ class PairRunner:
             if step.waits_for_saves:
                 self._wait(durability, run)
             # Every request, on every connector, starts quiet_s after the last one ended (BenchConfig).
-            time.sleep(max(0.0, self._last_done + self.config.quiet_s - time.monotonic()))
+            self.quiet.wait()
             ideal_tokens = ideals.of(index, prompt)
             exchange = self._send(name, index, step, prompt, ideal_tokens is not None, needs_answer=ideal is None)
             if exchange.answer is not None:
@@ -266,8 +291,7 @@ class PairRunner:
             ideals.ran(prompt, exchange.answer or ())
             if step.target == "consumer" and index in reused:
                 durability.answered(exchange.record)
-            advance(step.target)
-        return run
+            yield step.target
 
     def _wait(self, durability: Durability, run: WorkloadRun) -> None:
         waited = durability.wait()
@@ -308,7 +332,7 @@ class PairRunner:
                 f"workload {name} continues answers and needs them"
             )
         figure = engine_ms(before, engine_totals(url, metric)) if before is not None else None
-        self._last_done = time.monotonic()
+        self.quiet.done()
         return Exchange(prompt, response, record, answer, figure)
 
     def _log_record(self, engine: Target, reader: RequestLogReader, tag: str) -> HitDetails:

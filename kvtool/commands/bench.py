@@ -42,6 +42,13 @@ def bench_command(
         str | None,
         typer.Option(help="run the same workload on each of these connectors (comma-separated; needs --launch)"),
     ] = None,
+    interleave: Annotated[
+        bool,
+        typer.Option(
+            help="with --compare: start every pair at once and send each step to every pair in turn (fairer on a "
+            "busy machine; needs the memory of all the pairs)"
+        ),
+    ] = False,
     json_path: Annotated[Path | None, typer.Option("--json", help="old name of --output", hidden=True)] = None,
     plot: Annotated[Path | None, typer.Option("--plot", help="write a PNG: hits vs ideal, TTFT by connector")] = None,
     trace_block_tokens: Annotated[int, typer.Option(help="tokens one 512-token trace block becomes")] = 16,
@@ -71,9 +78,9 @@ def bench_command(
     compared = parse_compare(compare)
     config = BenchConfig.from_options(
         workloads=tuple(workload or ("sub-block",)), requests=requests, max_tokens=max_tokens, seed=seed,
-        verify=verify, tolerance=tolerance, quiet_s=quiet_s, trace_block_tokens=trace_block_tokens,
-        trace_start=trace_start, trace_requests=trace_requests, prefix_len=prefix_len, suffix_len=suffix_len,
-        num_prefixes=num_prefixes,
+        verify=verify, tolerance=tolerance, quiet_s=quiet_s, interleave=interleave,
+        trace_block_tokens=trace_block_tokens, trace_start=trace_start, trace_requests=trace_requests,
+        prefix_len=prefix_len, suffix_len=suffix_len, num_prefixes=num_prefixes,
     )  # fmt: skip
     check_bench_input(config, ready_file, launch, compared)
     launch_cfg = pair_options.config(report=output.say) if launch else None
