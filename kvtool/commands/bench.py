@@ -43,11 +43,7 @@ def bench_command(
         typer.Option(help="run the same workload on each of these connectors (comma-separated; needs --launch)"),
     ] = None,
     interleave: Annotated[
-        bool,
-        typer.Option(
-            help="with --compare: start every pair at once and send each step to every pair in turn (fairer on a "
-            "busy machine; needs the memory of all the pairs)"
-        ),
+        bool, typer.Option(help="with --compare: every pair at once, each step sent to each pair in turn")
     ] = False,
     json_path: Annotated[Path | None, typer.Option("--json", help="old name of --output", hidden=True)] = None,
     plot: Annotated[Path | None, typer.Option("--plot", help="write a PNG: hits vs ideal, TTFT by connector")] = None,
