@@ -198,8 +198,9 @@ class PairOptions:
         bool | None,
         _pair(
             "kvtool connector: take every hit (--take-every-hit), or only hits whose load its cost model predicts "
-            "to cost less than the prefill they save (--skip-unprofitable-loads) \\[default: take every hit on a "
-            "generated model, whose prefill costs microseconds a token, so that reuse shows; judge with --model]",
+            "to cost less than the prefill they save (--skip-unprofitable-loads) \\[default: take every hit on the "
+            "tiny, swa and mamba models, whose prefill costs microseconds a token, so that reuse shows; judge on "
+            "the bench and long models and with --model]",
             "--take-every-hit/--skip-unprofitable-loads",
         ),
     ] = None
@@ -343,6 +344,7 @@ class PairOptions:
         if self.model_size is not None:
             report("--model-size is deprecated; use --model-preset")
         model, engine_args, saving_engine_args, kv_block_size, state_model = self.model, (), (), None, False
+        takes_every_hit = False  # with --model the cost model judges every hit
         if model is None:
             from kvtool.model import PRESETS
 
@@ -354,6 +356,7 @@ class PairOptions:
             preset = PRESETS[self.preset]
             engine_args = preset.engine_args_for(self.block_size)
             saving_engine_args = preset.engine_args_for(self.block_size, saves=True)
+            takes_every_hit = preset.takes_every_hit
             kv_block_size = preset.kv_block_size_for(self.block_size)
             state_model = preset.is_hybrid
         try:
@@ -368,7 +371,7 @@ class PairOptions:
                 block_size=self.block_size,
                 hash_unit=self.hash_unit,
                 divergence_grid=self.divergence_grid,
-                take_every_hit=self.model is None if self.take_every_hit is None else self.take_every_hit,
+                take_every_hit=takes_every_hit if self.take_every_hit is None else self.take_every_hit,
                 store=self.store,
                 connector=self.connector,
                 roles=self.roles,

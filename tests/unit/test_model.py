@@ -169,3 +169,25 @@ def test_current_copy_is_kept(generated: dict[str, Path]) -> None:
     before = weights.stat().st_mtime_ns
     assert ensure_default_model(generated["swa"], preset="swa") == generated["swa"]
     assert weights.stat().st_mtime_ns == before
+
+
+def test_the_cost_model_judges_hits_on_the_bench_models_and_a_real_one(tmp_path, monkeypatch):
+    """Off (every hit taken) on the test presets, whose prefill costs microseconds a token; on for the
+    bench and long presets (about a millisecond a token) and for --model; the flag overrides either."""
+    from kvtool.commands.options import PairOptions
+    from kvtool.pair.engines import engine_argv
+
+    monkeypatch.setattr("kvtool.model.ensure_default_model", lambda preset: tmp_path / preset)
+
+    def takes_every_hit(**options) -> bool:
+        cfg = PairOptions(log_dir=tmp_path, **options).config(report=lambda _: None)
+        argv = engine_argv(cfg, "consumer")
+        extra = json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+        assert extra.get("skip_unprofitable_loads", True) is not cfg.take_every_hit
+        return cfg.take_every_hit
+
+    assert all(takes_every_hit(model_preset=preset) for preset in ("tiny", "swa", "mamba"))
+    assert not any(takes_every_hit(model_preset=preset) for preset in ("bench", "long"))
+    assert not takes_every_hit(model=tmp_path)
+    assert takes_every_hit(model_preset="bench", take_every_hit=True)
+    assert not takes_every_hit(model_preset="tiny", take_every_hit=False)
