@@ -21,6 +21,9 @@ PEER_RUNS = [
     for name in ("results.json", "results-reversed.json", "results-round2.json", "results-round2-reversed.json")
 ]
 
+# kvtool against each peer, each pair of pairs interleaved (../compare-peers/interleaved/command.sh).
+INTERLEAVED = HERE.parent / "compare-peers" / "interleaved"
+
 
 def load(path: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.exists() else None
@@ -158,6 +161,51 @@ def peer_fields(docs: list[dict[str, Any] | None]) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def interleaved_fields(docs: list[dict[str, Any] | None]) -> dict[str, Any]:
+    """kvtool against each peer head to head, each run interleaved (``kvtool bench --compare kvtool,PEER
+    --interleave``: both pairs up at once, every step sent to both in turn), so both connectors'
+    requests share every stretch of the machine's drift: the goal judged in the same run, per peer."""
+    docs = [doc for doc in docs if doc is not None and "kvtool" in doc["connectors"] and len(doc["connectors"]) == 2]
+    if not docs:
+        return {}
+    source = "../compare-peers/interleaved/kvtool-vs-*.json (command.sh there: --compare kvtool,PEER --interleave)"
+    overall: dict[str, dict[str, Any]] = {}
+    by_workload: dict[str, dict[str, dict[str, Any]]] = {}
+    efficiency: dict[str, dict[str, Any]] = {}
+    for doc in docs:
+        runs = pooled([doc])
+        peer = next(name for name in runs if name != "kvtool")
+        overall[peer] = {name: runs[name]["ttft_ms_p50"] for name in ("kvtool", peer)}
+        overall[peer]["engine"] = {name: runs[name]["engine_ttft_ms_p50"] for name in ("kvtool", peer)}
+        by_workload[peer] = {
+            workload: {name: runs[name]["workloads"].get(workload) for name in ("kvtool", peer)}
+            for workload in runs["kvtool"]["workloads"]
+        }
+        efficiency[peer] = {
+            name: {"efficiency": round(runs[name]["efficiency"], 4), "mismatches": runs[name]["mismatches"]}
+            for name in ("kvtool", peer)
+        }
+
+    def no_higher(pair: dict[str, Any], peer: str) -> bool:
+        return pair["kvtool"] is not None and pair[peer] is not None and pair["kvtool"] <= pair[peer]
+
+    return {
+        "interleaved_consumer_ttft_ms_p50": field(
+            overall, "kvtool no higher than each peer in the same interleaved run (client TTFT; engine beside it)",
+            all(no_higher(pair, peer) for peer, pair in overall.items()), source,
+        ),
+        "interleaved_consumer_ttft_ms_p50_by_workload": field(
+            by_workload, "kvtool no higher than each peer on every workload, in the same interleaved run",
+            all(no_higher(pair, peer) for peer, rows in by_workload.items() for pair in rows.values()), source,
+        ),
+        "interleaved_efficiency_and_mismatches": field(
+            efficiency, "kvtool >= 0.99 and 0 mismatches in every run",
+            all(e["kvtool"]["efficiency"] >= 0.99 and e["kvtool"]["mismatches"] == 0 for e in efficiency.values()),
+            source,
+        ),
+    }  # fmt: skip
+
+
 def capacity_fields(capacity: dict[str, Any] | None) -> dict[str, Any]:
     """Reuse under capacity pressure (``../capacity-pressure``): kvtool's reused tokens over vLLM's connector's."""
     if capacity is None:
@@ -237,6 +285,7 @@ def main() -> None:
         **data_path_fields(load(HERE / "data_path.json")),
         **lookup_fields(load(HERE / "lookup_latency.json"), load(HERE / "lookup_cpu.json")),
         **peer_fields([load(path) for path in PEER_RUNS]),
+        **interleaved_fields([load(path) for path in sorted(INTERLEAVED.glob("kvtool-vs-*.json"))]),
         **producer_fields([load(HERE / "producer.json"), load(HERE / "producer-none-first.json")]),
         **capacity_fields(load(HERE.parent / "capacity-pressure" / "results.json")),
         **stream_fields(load(HERE / "stream_gap.json")),

@@ -3,25 +3,30 @@
 from __future__ import annotations
 
 import json
-import os
 import platform
-import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from kvtool.bench.command import provenance as measured_at  # noqa: E402 - after the path above
 
 
-def git_head() -> str:
-    """The short hash of the checked-out commit (the configuration a result came from)."""
-    return subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO
-    ).stdout.strip()
+def git_head() -> str | None:
+    """The commit a result came from, as kvtool bench names it (``+`` when tracked files were changed)."""
+    return measured_at(REPO)["head"]
 
 
 def provenance() -> dict[str, Any]:
-    """What a result says about where it ran: this machine's cores, the Python, the commit."""
-    return {"machine": {"cpus": os.cpu_count(), "python": platform.python_version()}, "head": git_head()}
+    """What a result says about where it ran: the cores it may use, the Python, the commit, when."""
+    measured = measured_at(REPO)
+    return {
+        "machine": {"cpus": measured["cpus"], "python": platform.python_version()},
+        "head": measured["head"],
+        "started_at": measured["started_at"],
+    }
 
 
 def write_result(result: dict[str, Any], out: Path | None, echo: bool = True) -> None:
