@@ -25,6 +25,7 @@ from .prefix import LoadPlan, ObjectRef, PromptKeys, plan_load
 
 if TYPE_CHECKING:
     from .search import StoredPrefix
+    from .timeline import Timeline
 
 DESCRIBE_EVERY_S = 300.0
 EXPLORE_EVERY = 16  # one declined hit in this many is taken anyway, so that loads keep being measured
@@ -87,7 +88,8 @@ class CostModel:
 
     def __init__(self) -> None:
         self.load = LinearFit()  # seconds a load's transfer takes for x bytes
-        self.overhead = LinearFit()  # seconds a request waits beyond its load's transfer (x: 0)
+        self.overhead = LinearFit()  # seconds a request waits beyond its load's transfer (x: 0), by the worker
+        self.delay = LinearFit()  # the same, by the scheduler: the request's whole delay (``observe_delay``)
         self.prefill = LinearFit()  # seconds a forward pass takes for x scheduled tokens
 
     def observe(self, loads: Iterable[tuple[int, float, float]], steps: Iterable[tuple[int, float]]) -> None:
@@ -97,6 +99,18 @@ class CostModel:
         for tokens, seconds in steps:
             if tokens > 0:
                 self.prefill.add(float(tokens), seconds)
+
+    def observe_delay(self, nbytes: int, delay_s: float) -> None:
+        """A loaded request's whole delay as the scheduler saw it: from its lookup's answer (when a miss
+        would have been scheduled) to the step that computes it. The worker's wait runs from the step
+        that starts the load to the one that reports it, and misses the scheduling around them: 3-5 ms
+        of an idle CPU engine's 6-8 ms (the request timelines), the prefill of a few tokens there."""
+        per_call, per_byte = self.transfer()
+        self.delay.add(0.0, max(0.0, delay_s - per_call - per_byte * nbytes))
+
+    def fixed_wait_s(self) -> float:
+        """What a load costs beyond its transfer: the scheduler's measure once it has enough of them."""
+        return (self.delay if self.delay.ready else self.overhead).mean()[1]
 
     @classmethod
     def given(cls, load_fixed_ms: float, load_mb_per_s: float, prefill_us_per_token: float) -> CostModel:
@@ -124,7 +138,7 @@ class CostModel:
 
     def load_s(self, nbytes: int) -> float:
         per_call, per_byte = self.transfer()
-        return self.overhead.mean()[1] + per_call + per_byte * nbytes
+        return self.fixed_wait_s() + per_call + per_byte * nbytes
 
     def prefill_s(self, tokens: int) -> float:
         """What ``tokens`` more tokens add to a forward pass (the slope: the pass runs anyway)."""
@@ -133,7 +147,7 @@ class CostModel:
 
     def describe(self) -> dict[str, float]:
         load_fixed, load_per_byte = self.transfer()
-        load_fixed += self.overhead.mean()[1]
+        load_fixed += self.fixed_wait_s()
         fitted = self.prefill.fit()
         per_token = fitted[1] if fitted is not None else 0.0
         return {
@@ -214,6 +228,16 @@ class HitJudge:
             f"{d['prefill_us_per_token']} us a token (--cost {d['load_fixed_ms']},{d['load_mb_per_s']},"
             f"{d['prefill_us_per_token']})"
         )
+
+    def request_computed(self, timeline: Timeline, plan: LoadPlan | None, now_s: float) -> None:
+        """The first step that computes a request: when its load was sent (and did not fail: the caller
+        passes no failed one), its whole delay since its lookup answered goes to the model."""
+        marks = timeline.marks
+        if not self.enabled or plan is None or not plan.objects or "computing" in marks or "load_sent" not in marks:
+            return
+        if "answered" in marks:
+            nbytes = sum(self.object_bytes(ref) for ref in plan.objects)
+            self.model.observe_delay(nbytes, now_s - marks["answered"][0])
 
     def __call__(self, keys: PromptKeys, stored: StoredPrefix, local_tokens: int, plan: LoadPlan) -> Verdict:
         if not self.enabled or plan.external_tokens == 0:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-from .counters import Counters, WarnOnce
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +14,7 @@ from .keys import KeyKind, Namespace
 from .answers import plan_answer_save
 from .breaker import CircuitBreaker
 from .calls import BoundedCalls
+from .counters import Counters, WarnOnce
 from .lookups import POINTER_READ_SHARE, LookupBatcher, Outcome, pointer_reader
 from .prefix import ObjectRef, plan_load, plan_save, single_group
 from .profit import HitJudge
@@ -72,8 +72,7 @@ class SchedulerSide:
         self._has_state_group = any(g.kind is GroupKind.STATE for g in self._groups)
         self._pending_saves: list[RequestSave] = []  # answer saves, sent with the next step's metadata
         self._holding: set[str] = set()  # finished requests whose blocks an answer save holds
-        # Lead pointers only serve extensions, which a state group never takes (a state is exact).
-        lead = lead_pointers(config, self._block_size) and not self._has_state_group
+        lead = lead_pointers(config, self._block_size) and not self._has_state_group  # a state takes no extension
         self._space = KeySpace(self._block_size, config.hash_unit, self._namespace, self._groups, self._grid, lead)
         self._tracked: dict[str, TrackedRequest] = {}
         self._ranks = rank_components(namespace)  # every TP rank's namespace, rank 0 (this side's) first
@@ -97,8 +96,7 @@ class SchedulerSide:
         self._step_wait_left = SYNC_LOOKUP_BUDGET_S
         self._step = 0  # scheduler steps built so far (the request timelines count in them)
         self._last_build_s = 0.0
-        # A hit is taken when its load is predicted to cost less than the prefill it saves.
-        self._judge = HitJudge(block_bytes, config.skip_unprofitable_loads, token_bytes)
+        self._judge = HitJudge(block_bytes, config.skip_unprofitable_loads, token_bytes)  # do hits pay?
 
     # -- lookup -------------------------------------------------------------------------------------
 
@@ -239,6 +237,8 @@ class SchedulerSide:
 
     def _mark(self, tracked: TrackedRequest | None, name: str) -> None:
         if tracked is not None and tracked.timeline is not None:
+            if name == "computing" and tracked.load_failure is None:  # a load's whole delay, for the model
+                self._judge.request_computed(tracked.timeline, tracked.plan, time.monotonic())
             tracked.timeline.mark(name, time.monotonic(), self._step)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVToolMetadata:

@@ -123,3 +123,54 @@ def test_forward_passes_of_one_size_cannot_price_a_token_so_every_hit_is_taken()
     assert not m.ready
     whole = plan(0, 5, [ref(0, KeyKind.TAIL, 5)])
     assert judge(whole, None, size, m).plan is whole
+
+
+def test_the_schedulers_whole_delay_replaces_the_workers_wait_once_it_has_enough():
+    """The worker's wait (step that starts a load to step that reports it) misses the scheduling around
+    it; the scheduler's delay (lookup answered to request computed) is what a hit really costs."""
+    m = model(load_fixed_s=0.0025, mb_per_s=1000, prefill_s_per_token=1e-3)
+    small = 50_000  # a tail of a few tokens
+    worker_view = m.load_s(small)
+    assert abs(worker_view - (0.0025 + small / 1e9)) < 1e-6
+    for _ in range(MIN_SAMPLES - 1):
+        m.observe_delay(small, 0.007)
+        assert m.load_s(small) == worker_view  # too few of the scheduler's to judge by
+    m.observe_delay(small, 0.007)
+    assert abs(m.load_s(small) - 0.007) < 1e-6
+    assert abs(m.describe()["load_fixed_ms"] - (7.0 - small / 1e6)) < 0.01  # its transfer apart
+
+
+def test_a_tail_of_a_few_tokens_is_declined_once_the_whole_delay_is_known():
+    m = model(load_fixed_s=0.0025, mb_per_s=1000, prefill_s_per_token=1e-3)  # a CPU engine: 1 ms a token
+    tail = plan(64, 3, [ref(2, KeyKind.TAIL, 67)])
+
+    def tail_size(_ref: ObjectRef) -> int:
+        return 40_000
+
+    assert judge(tail, None, tail_size, m).skipped is None  # the worker's 2.5 ms: 3 tokens seem to pay
+    for _ in range(MIN_SAMPLES):
+        m.observe_delay(40_000, 0.007)
+    assert judge(tail, None, tail_size, m).skipped == "unprofitable"
+    eleven = plan(0, 11, [ref(0, KeyKind.TAIL, 11)])  # a sub-block prompt's 11 tokens still pay
+    assert judge(eleven, None, tail_size, m).skipped is None
+
+
+def test_only_a_request_whose_load_was_sent_tells_its_delay_once():
+    from connector.profit import HitJudge
+    from connector.timeline import Timeline
+
+    judge_ = HitJudge((1000,))
+    loaded = plan(0, 32, [ref(0)])
+    miss = Timeline.start(10.0, 0, None)
+    miss.mark("answered", 10.001, 0)
+    judge_.request_computed(miss, None, 10.002)
+    judge_.request_computed(miss, loaded, 10.002)  # no load went out for it
+    assert judge_.model.delay.samples == 0
+    hit = Timeline.start(20.0, 3, None)
+    hit.mark("answered", 20.001, 3)
+    hit.mark("load_sent", 20.002, 3)
+    judge_.request_computed(hit, loaded, 20.009)
+    assert judge_.model.delay.samples == 1 and abs(judge_.model.delay.mean()[1] - 0.008) < 1e-3
+    hit.mark("computing", 20.009, 4)
+    judge_.request_computed(hit, loaded, 20.500)  # scheduled again later (preempted): its first counts
+    assert judge_.model.delay.samples == 1

@@ -1,0 +1,83 @@
+"""The scheduler side's cost model at work: fed the worker's measurements and the requests' delays, it
+declines the hits whose load costs more than the prefill they save (the model itself: test_profit.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from connector.scheduler import SchedulerSide
+
+from .scripted_store import InlineCalls, ScriptedStore
+from .test_scheduler import CONFIG, EMPTY_STEP, NS, PROMPT, allocate, lookup, publish, request
+
+
+def fed_consumer(store, *, load_s: float, prefill_s_per_token: float, block_bytes: int = 1 << 20):
+    """A consumer whose cost model has seen loads that wait ``load_s`` plus 1 ms per MB, and forward
+    passes of ``prefill_s_per_token`` a token, as the worker reports them with each step."""
+    from connector.data import KVToolWorkerMeta
+
+    calls = InlineCalls()
+    side = SchedulerSide(
+        CONFIG, NS, store, loads_enabled=True, saves_enabled=False, lookup_calls=calls, block_bytes=(block_bytes,)
+    )
+    loads = [(n * block_bytes, n * block_bytes * 1e-9, load_s + n * block_bytes * 1e-9) for n in range(1, 7)]
+    steps = [(t, 0.001 + t * prefill_s_per_token) for t in (1, 16, 64, 256, 1024)]
+    side.record_worker_meta(KVToolWorkerMeta({}, loads, steps))
+    return side
+
+
+def test_a_hit_that_costs_more_to_load_than_to_compute_is_not_taken_and_says_why():
+    store = ScriptedStore()
+    publish(store, PROMPT)
+    side = fed_consumer(store, load_s=0.050, prefill_s_per_token=1e-5)  # 85 tokens: 0.85 ms of prefill
+    req = request(PROMPT + [1, 2, 3])
+    assert lookup(side, req) == (0, False)
+    details = side.request_finished(req)[1]["kvtool"]
+    assert details["lookup"] == "miss" and details["external_hit_tokens"] == 0
+    assert details["load_skipped"].startswith("unprofitable: a load of")
+    assert side.take_stats()["loads_unprofitable"] == 1
+
+
+def test_a_partial_block_that_does_not_pay_is_dropped_and_the_full_blocks_are_loaded():
+    store = ScriptedStore()
+    publish(store, PROMPT)  # 85 tokens: two blocks and a tail of 21
+    publish(store, PROMPT[:70])  # two blocks and a tail of 6
+    # An object loads in about 1 ms (plus 1 ms a load) and a token's prefill costs 0.06 ms: the blocks
+    # pay (64 tokens, 3.8 ms, for 3.1 ms); a tail of 21 tokens pays (1.3 ms for 1.05 ms); 6 do not.
+    side = fed_consumer(store, load_s=0.001, prefill_s_per_token=6e-5)
+    req = request(PROMPT[:70] + [7, 7, 7])
+    assert lookup(side, req) == (64, True)
+    assert side.request_finished(req)[1]["kvtool"]["load_skipped"].startswith("trimmed:")
+    assert lookup(side, request(PROMPT + [1, 2, 3], request_id="r2")) == (85, True)
+    assert side.take_stats()["loads_trimmed"] == 1
+
+
+def test_without_measurements_every_hit_is_taken():
+    store = ScriptedStore()
+    publish(store, PROMPT)
+    side = SchedulerSide(
+        CONFIG, NS, store, loads_enabled=True, saves_enabled=False, lookup_calls=InlineCalls(), block_bytes=(1 << 30,)
+    )
+    assert lookup(side, request(PROMPT + [1, 2, 3])) == (85, True)
+
+
+def test_each_loaded_request_tells_the_cost_model_its_whole_delay_when_it_is_computed():
+    """From its lookup's answer to the step that computes it; not a request whose load failed."""
+    from connector.data import KVToolWorkerMeta
+
+    store = ScriptedStore()
+    publish(store, PROMPT)
+    side = fed_consumer(store, load_s=0.001, prefill_s_per_token=1e-3)  # every one of these hits pays
+    for number, failed in ((1, False), (2, True), (3, False)):
+        req = request(PROMPT + [number], request_id=f"r{number}")
+        assert lookup(side, req) == (85, True)
+        allocate(side, req, 85)
+        side.build_connector_meta(EMPTY_STEP)  # the load goes out
+        if failed:
+            side.record_worker_meta(KVToolWorkerMeta({req.request_id: (0, "checksum")}))
+        side.record_transfers({req.request_id}, None)
+        step = SimpleNamespace(
+            scheduled_new_reqs=[], scheduled_cached_reqs=None, num_scheduled_tokens={f"r{number}": 1}
+        )
+        side.build_connector_meta(step)
+    assert side._judge.model.delay.samples == 2
