@@ -103,6 +103,8 @@ def _pooled_summary(rows: list[dict[str, Any]], block_size: int) -> dict[str, An
         "engine_workloads": {workload: p50(members, "engine_ttft_ms") for workload, members in workloads.items()},
         "buckets": {bucket: p50(members) for bucket, members in buckets.items()},
         "efficiency": sum(r["hit_tokens"] for r in rows) / ideal if ideal else None,
+        # What the lookups found: the hits and what the cost model declined (bench results since 0fa16bb).
+        "found_efficiency": sum(r["hit_tokens"] + r.get("declined_tokens", 0) for r in rows) / ideal if ideal else None,
         "mismatches": sum(1 for r in rows if r.get("matched") is False),
         "requests": len(rows),
     }
@@ -182,7 +184,11 @@ def interleaved_fields(docs: list[dict[str, Any] | None]) -> dict[str, Any]:
             for workload in runs["kvtool"]["workloads"]
         }
         efficiency[peer] = {
-            name: {"efficiency": round(runs[name]["efficiency"], 4), "mismatches": runs[name]["mismatches"]}
+            name: {
+                "efficiency": round(runs[name]["efficiency"], 4),
+                "found_efficiency": round(runs[name]["found_efficiency"], 4),
+                "mismatches": runs[name]["mismatches"],
+            }
             for name in ("kvtool", peer)
         }
 
@@ -199,9 +205,9 @@ def interleaved_fields(docs: list[dict[str, Any] | None]) -> dict[str, Any]:
             all(no_higher(pair, peer) for peer, rows in by_workload.items() for pair in rows.values()), source,
         ),
         "interleaved_efficiency_and_mismatches": field(
-            efficiency, "kvtool >= 0.99 and 0 mismatches in every run",
+            efficiency, "kvtool >= 0.99 (hits taken over the ideal) and 0 mismatches in every run",
             all(e["kvtool"]["efficiency"] >= 0.99 and e["kvtool"]["mismatches"] == 0 for e in efficiency.values()),
-            source,
+            source, "found_efficiency: the hits and what the cost model declined as costing more than they save",
         ),
     }  # fmt: skip
 

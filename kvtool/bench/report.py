@@ -68,6 +68,8 @@ def summarize(
         hit_rate=ratio(hit, prompt),
         ideal_hit_rate=ratio(ideal, prompt),
         efficiency=ratio(hit, ideal),
+        declined_tokens=(declined := sum(c.declined_tokens for c in consumers)),
+        found_efficiency=ratio(hit + declined, ideal),
         ttft_ms_p50=percentile(ttfts, 0.5),
         ttft_ms_p90=percentile(ttfts, 0.9),
         engine_ttft_ms_p50=percentile(engine_ttfts, 0.5),
@@ -143,6 +145,13 @@ def _pct(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.1f}%"
 
 
+def _efficiency(summary: Summary) -> str:
+    """The efficiency, and what the lookups found where the cost model declined some of it."""
+    if not summary.declined_tokens:
+        return _pct(summary.efficiency)
+    return f"{_pct(summary.efficiency)} ({_pct(summary.found_efficiency)} found)"
+
+
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
@@ -162,7 +171,7 @@ def _summary_row(first: str, name: str, summary: Summary, style: str | None = No
         summary.block_hit_tokens,
         summary.tail_hit_tokens,
         _pct(summary.hit_rate),
-        _pct(summary.efficiency),
+        _efficiency(summary),
         _ms(summary.ttft_ms_p50),
         _ms(summary.ttft_ms_p90),
         _mismatch_cell(summary),
@@ -222,7 +231,7 @@ def comparison_tables(reports: dict[str, ConnectorReport]) -> list[ReportTable]:
         summary = report.summary
         cells = [
             _pct(summary.hit_rate),
-            _pct(summary.efficiency),
+            _efficiency(summary),
             summary.block_hit_tokens,
             summary.tail_hit_tokens,
             _ms(summary.ttft_ms_p50),
@@ -265,7 +274,7 @@ def _efficiency_row(name: str, summaries: dict[str, Summary | None]) -> dict[str
 
 
 def _efficiency_cell(summary: Summary) -> str:
-    return f"{_pct(summary.efficiency)} / {_ms(summary.ttft_ms_p50)} / {_ms(summary.engine_ttft_ms_p50)}"
+    return f"{_efficiency(summary)} / {_ms(summary.ttft_ms_p50)} / {_ms(summary.engine_ttft_ms_p50)}"
 
 
 def bench_report(document: BenchDocument) -> Report:

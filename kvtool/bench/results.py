@@ -26,6 +26,8 @@ class Summary:
     hit_rate: float | None = None
     ideal_hit_rate: float | None = None
     efficiency: float | None = None  # hit tokens over the ideal's
+    declined_tokens: int = 0  # found stored, not loaded: the kvtool connector's cost model judged they do not pay
+    found_efficiency: float | None = None  # hit and declined tokens over the ideal's: what the lookups found
     ttft_ms_p50: float | None = None
     ttft_ms_p90: float | None = None
     engine_ttft_ms_p50: float | None = None  # vLLM's own TTFT (no HTTP)

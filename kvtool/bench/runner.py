@@ -71,6 +71,7 @@ class ConsumerResult:
     # vLLM's own TTFT (from the API server taking the request to its first token, /metrics): the
     # client's less HTTP and request parsing, which vary by tens of ms on a busy machine.
     engine_ttft_ms: float | None = None
+    declined_tokens: int = 0  # found stored, not loaded: the kvtool connector's cost model said they do not pay
 
 
 @dataclass(frozen=True)
@@ -142,13 +143,19 @@ class Hit:
     block_tokens: int
     tail_tokens: int
     lookup: str | None = None
+    declined_tokens: int = 0  # found stored, not loaded: the cost model judged they cost more than they save
 
 
 def kvtool_hit(details: HitDetails) -> Hit:
     """The kvtool connector's hit: vLLM's local hit plus what the connector loaded, split into block
-    and tail (vLLM's own prefix cache hits whole blocks only, so everything but the tail is blocks)."""
+    and tail (vLLM's own prefix cache hits whole blocks only, so everything but the tail is blocks),
+    and what its cost model declined of what the lookup found (at most all but the prompt's last token,
+    which vLLM always computes)."""
     total, tail = details.reused_tokens, details.tail_hit_tokens
-    return Hit(total, total - tail, tail, details.lookup)
+    declined = 0
+    if details.load_skipped is not None:
+        declined = max(0, min(details.stored_prefix_tokens, details.prompt_tokens - 1) - total)
+    return Hit(total, total - tail, tail, details.lookup, declined)
 
 
 def cached_tokens_hit(response: dict[str, Any]) -> Hit:
@@ -387,6 +394,7 @@ class PairRunner:
             mismatch=reason,
             lookup=hit.lookup,
             engine=step.target,
+            declined_tokens=hit.declined_tokens,
         )
 
     def _verify(self, step: Step, exchange: Exchange) -> tuple[bool, float, str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -115,6 +116,21 @@ def test_hits_from_the_request_log_and_from_usage():
     usage = {"usage": {"prompt_tokens_details": {"cached_tokens": 64}}}
     assert (cached_tokens_hit(usage).tokens, cached_tokens_hit(usage).tail_tokens) == (64, 0)
     assert cached_tokens_hit({"usage": {"prompt_tokens_details": None}}).tokens == 0
+
+
+def test_what_the_cost_model_declined_is_counted_apart_from_what_was_reused():
+    """A 66-token prompt: 64 tokens in vLLM's own cache, the 65th stored as a tail the cost model judged
+    not worth its load; a tail trimmed off a hit; a hit taken whole declines nothing."""
+    unpaid = HitDetails(66, "miss", stored_prefix_tokens=66, local_hit_tokens=64, load_skipped="unprofitable: x")
+    assert (kvtool_hit(unpaid).tokens, kvtool_hit(unpaid).declined_tokens) == (64, 1)  # vLLM computes the last
+    trimmed = HitDetails(90, "hit", stored_prefix_tokens=85, external_hit_tokens=64, load_skipped="trimmed: x")
+    assert kvtool_hit(trimmed).declined_tokens == 21
+    whole = HitDetails(90, "hit", stored_prefix_tokens=85, external_hit_tokens=85, tail_hit_tokens=21)
+    assert kvtool_hit(whole).declined_tokens == 0
+    results = [consumer(hit=30), replace(consumer(ideal=30, hit=20, tail=20), declined_tokens=10)]
+    summary = summarize(results)
+    assert summary.declined_tokens == 10
+    assert summary.efficiency == pytest.approx(50 / 60) and summary.found_efficiency == pytest.approx(1.0)
 
 
 def test_hit_details_round_trip_and_ignore_fields_of_a_newer_connector():
