@@ -15,6 +15,8 @@ at all; the one that saves the most time wins, and none is taken that saves noth
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -31,6 +33,7 @@ DESCRIBE_EVERY_S = 300.0
 EXPLORE_EVERY = 16  # one declined hit in this many is taken anyway, so that loads keep being measured
 MIN_SAMPLES = 4  # of each kind, before the model judges anything
 DECAY = 0.95  # weight of the older samples at each new one: the fit follows the engine's load
+RECENT_DELAYS = 32  # loaded requests' delays the median is taken over
 # A store's transfer rate when every load seen had one size (so a per-call latency and a rate cannot be
 # told apart): Mooncake over TCP loopback, zero-copy (ENVIRONMENT.md: about 1.2 GB/s). The rest of
 # those loads' time is taken as a per-call latency.
@@ -83,13 +86,33 @@ class LinearFit:
         return self.fit() or (self.mean()[1], 0.0)
 
 
+class RecentMedian:
+    """The median of the last ``size`` samples: one request delayed by a long step (a warm-up, a burst)
+    must not make every load look dear for the dozens of samples a fading mean takes to forget it."""
+
+    def __init__(self, size: int = RECENT_DELAYS):
+        self._samples: deque[float] = deque(maxlen=size)
+        self.samples = 0
+
+    def add(self, value: float) -> None:
+        self._samples.append(value)
+        self.samples += 1
+
+    @property
+    def ready(self) -> bool:
+        return self.samples >= MIN_SAMPLES
+
+    def value(self) -> float:
+        return statistics.median(self._samples) if self._samples else 0.0
+
+
 class CostModel:
     """The engine's load and prefill costs, as measured."""
 
     def __init__(self) -> None:
         self.load = LinearFit()  # seconds a load's transfer takes for x bytes
         self.overhead = LinearFit()  # seconds a request waits beyond its load's transfer (x: 0), by the worker
-        self.delay = LinearFit()  # the same, by the scheduler: the request's whole delay (``observe_delay``)
+        self.delay = RecentMedian()  # the same, by the scheduler: a request's whole delay (``observe_delay``)
         self.prefill = LinearFit()  # seconds a forward pass takes for x scheduled tokens
 
     def observe(self, loads: Iterable[tuple[int, float, float]], steps: Iterable[tuple[int, float]]) -> None:
@@ -106,11 +129,11 @@ class CostModel:
         that starts the load to the one that reports it, and misses the scheduling around them: 3-5 ms
         of an idle CPU engine's 6-8 ms (the request timelines), the prefill of a few tokens there."""
         per_call, per_byte = self.transfer()
-        self.delay.add(0.0, max(0.0, delay_s - per_call - per_byte * nbytes))
+        self.delay.add(max(0.0, delay_s - per_call - per_byte * nbytes))
 
     def fixed_wait_s(self) -> float:
         """What a load costs beyond its transfer: the scheduler's measure once it has enough of them."""
-        return (self.delay if self.delay.ready else self.overhead).mean()[1]
+        return self.delay.value() if self.delay.ready else self.overhead.mean()[1]
 
     @classmethod
     def given(cls, load_fixed_ms: float, load_mb_per_s: float, prefill_us_per_token: float) -> CostModel:
