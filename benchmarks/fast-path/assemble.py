@@ -148,6 +148,9 @@ def peer_fields(docs: list[dict[str, Any] | None]) -> dict[str, Any]:
         ),
         "consumer_ttft_ms_p50_by_workload": field(
             by_workload, "kvtool no higher than any other (none included) on every workload", workloads_met, source,
+            "the pairs one after another, before --interleave and before the cost model judged the bench model's "
+            "hits: each connector's TTFT follows the minutes it ran in; interleaved_consumer_ttft_ms_p50_by_workload "
+            "measures the same goal with every request of both pairs in the same minutes",
         ),
         "consumer_engine_ttft_ms_p50_by_workload": field(
             {workload: {name: run["engine_workloads"].get(workload) for name, run in runs.items()}

@@ -408,3 +408,34 @@ def test_chat_tables_fit_80_columns():
     reports = {name: report for name in ("kvtool", "vllm-mooncake-store", "none")}
     text = rendered(bench_report(BenchDocument({"seed": 0}, {}, reports, compare=True)), 80)
     assert_fits(text, ("chat (producer)", "chat (consumer)", "68.1% / 11.0", "75.0% / 12.0"))
+
+
+def test_the_next_request_waits_quiet_s_after_the_recomputation_too(tmp_path, monkeypatch, waited):
+    """A verified answer's recomputation is a request: the quiet time counts from its end, or an
+    interleaved run's second pair would start while the first pair's engine still works on it."""
+    from kvtool.bench.runner import QuietClock
+
+    events: list[str] = []
+
+    class Spy(QuietClock):
+        def wait(self) -> None:
+            events.append("wait")
+
+        def done(self) -> None:
+            events.append("done")
+
+    logs = {engine: tmp_path / f"{engine}-requests.jsonl" for engine in ("producer", "consumer")}
+    fake = FakePair("kvtool", logs, waited, [])
+
+    def sent(*args, **options):
+        events.append("recompute" if options.get("prompt_logprobs") else "request")
+        return fake.complete(*args, **options)
+
+    monkeypatch.setattr("kvtool.bench.runner.complete", sent)
+    pair = ready("kvtool", logs={engine: str(path) for engine, path in logs.items()})
+    PairRunner(pair, BenchConfig(verify=True, quiet_s=0), Spy(0)).run("chat", Chat().steps(SHAPE), None, print)
+    assert "recompute" in events
+    pending = False
+    for event in events:
+        assert not (event == "wait" and pending), events
+        pending = event in ("request", "recompute") or (pending and event != "done")
