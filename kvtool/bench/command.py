@@ -204,73 +204,71 @@ def run_bench(
         )
         # The kvtool connector's pointer grid as the engines resolved it (divergence_grid None: auto).
         pair_config = {**launch.model_dump(mode="json"), "effective_divergence_grid": launch.effective_divergence_grid}
+        launched = LaunchedRuns(config, say, launch, compare, planned, progress_console, failures)
         if config.interleave:
-            reports, ports = _interleaved_reports(config, say, launch, compare, planned, progress_console, failures)
-            pair_config["interleaved_ports"] = ports
+            reports, pair_config["interleaved_ports"] = launched.interleaved()
         else:
-            reports = _one_by_one_reports(config, say, launch, compare, planned, progress_console, failures)
+            reports = launched.one_by_one()
 
     config_json = {**config.model_dump(mode="json"), "command": sys.argv, **measured}
     return BenchOutcome(BenchDocument(config_json, pair_config, reports, bool(compare), failures))
 
 
-def _one_by_one_reports(
-    config: BenchConfig,
-    say: Reporter,
-    launch: ServePairConfig,
-    compare: list[str],
-    planned: list[PlannedWorkload],
-    progress_console: Console | None,
-    failures: dict[str, str],
-) -> dict[str, ConnectorReport]:
-    """One pair at a time: each is stopped before the next starts (they share ports and cores)."""
-    connectors = compare or [launch.connector]
-    reports: dict[str, ConnectorReport] = {}
-    for connector in connectors:
-        one = launch_config(launch, connector, compare=bool(compare))
-        say(f"launching a {connector} pair (logs in {one.log_dir})")
-        try:
-            with launched_pair(one, say) as (pair, _procs):
-                runs = run_workloads(pair, config, planned, progress_console)
-                reports[connector] = connector_report(runs, launch.effective_block_size)
-        except UserError as exc:
-            if len(connectors) == 1:
-                raise
-            # One connector failing must not throw away the others' results.
-            failures[connector] = exc.message
-            say(f"{connector} failed: {exc.message}")
-    return reports
+@dataclass
+class LaunchedRuns:
+    """A bench run on pairs it launches itself (--launch): one pair per connector, run one after
+    another, or all at once with their requests interleaved (--interleave)."""
 
+    config: BenchConfig
+    say: Reporter
+    launch: ServePairConfig
+    compare: list[str]
+    planned: list[PlannedWorkload]
+    progress_console: Console | None
+    failures: dict[str, str]  # connector -> why its run failed
 
-def _interleaved_reports(
-    config: BenchConfig,
-    say: Reporter,
-    launch: ServePairConfig,
-    compare: list[str],
-    planned: list[PlannedWorkload],
-    progress_console: Console | None,
-    failures: dict[str, str],
-) -> tuple[dict[str, ConnectorReport], dict[str, dict[str, int]]]:
-    """Every pair up at once (the first on the given ports, the others on free ones), then the
-    workloads alternated between them step by step; all are stopped at the end. Also each pair's ports."""
-    pairs: dict[str, tuple[ReadyFile, ProcessSet]] = {}
-    ports: dict[str, dict[str, int]] = {}
-    taken = base_ports(launch)
-    with ExitStack() as stack:
-        for slot, connector in enumerate(compare):
-            one = launch_config(launch, connector, compare=True)
-            one = own_ports(one, taken) if slot else one
-            say(f"launching a {connector} pair (logs in {one.log_dir}), {slot + 1} of {len(compare)} at once")
+    def one_by_one(self) -> dict[str, ConnectorReport]:
+        """One pair at a time: each is stopped before the next starts (they share ports and cores)."""
+        connectors = self.compare or [self.launch.connector]
+        reports: dict[str, ConnectorReport] = {}
+        for connector in connectors:
+            one = launch_config(self.launch, connector, compare=bool(self.compare))
+            self.say(f"launching a {connector} pair (logs in {one.log_dir})")
             try:
-                pairs[connector] = stack.enter_context(launched_pair(one, say))
+                with launched_pair(one, self.say) as (pair, _procs):
+                    runs = run_workloads(pair, self.config, self.planned, self.progress_console)
+                    reports[connector] = connector_report(runs, self.launch.effective_block_size)
             except UserError as exc:
-                failures[connector] = exc.message
-                say(f"{connector} failed: {exc.message}")
-                continue
-            ports[connector] = {name: getattr(one, name) for name in PAIR_PORT_FIELDS}
-        runs = run_interleaved(pairs, config, planned, progress_console, failures, say)
-    reports = {name: connector_report(runs[name], launch.effective_block_size) for name in compare if name in runs}
-    return reports, ports
+                if len(connectors) == 1:
+                    raise
+                # One connector failing must not throw away the others' results.
+                self.failures[connector] = exc.message
+                self.say(f"{connector} failed: {exc.message}")
+        return reports
+
+    def interleaved(self) -> tuple[dict[str, ConnectorReport], dict[str, dict[str, int]]]:
+        """Every pair up at once (the first on the given ports, the others on free ones), then the
+        workloads alternated between them step by step; all are stopped at the end. Also each pair's ports."""
+        pairs: dict[str, tuple[ReadyFile, ProcessSet]] = {}
+        ports: dict[str, dict[str, int]] = {}
+        taken = base_ports(self.launch)
+        with ExitStack() as stack:
+            for slot, connector in enumerate(self.compare):
+                one = launch_config(self.launch, connector, compare=True)
+                one = own_ports(one, taken) if slot else one
+                self.say(
+                    f"launching a {connector} pair (logs in {one.log_dir}), {slot + 1} of {len(self.compare)} at once"
+                )
+                try:
+                    pairs[connector] = stack.enter_context(launched_pair(one, self.say))
+                except UserError as exc:
+                    self.failures[connector] = exc.message
+                    self.say(f"{connector} failed: {exc.message}")
+                    continue
+                ports[connector] = {name: getattr(one, name) for name in PAIR_PORT_FIELDS}
+            runs = run_interleaved(pairs, self.config, self.planned, self.progress_console, self.failures, self.say)
+        block_size = self.launch.effective_block_size
+        return {name: connector_report(runs[name], block_size) for name in self.compare if name in runs}, ports
 
 
 def provenance(repo: Path = REPO_ROOT) -> dict[str, Any]:
