@@ -31,7 +31,10 @@ LENGTH = 75  # two full blocks of 32 and a tail of 11: every object kind a promp
 
 @pytest.fixture(scope="module")
 def tp_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    with running_pair(tmp_path_factory.mktemp("tp2"), extra_args=("--tensor-parallel-size", str(TP))) as info:
+    # 64 MiB of store memory a rank, not 256 (these prompts need a few MiB): four workers beside the
+    # session's other pairs once took the CI machine past its 24 GiB (the OOM killer took a rank).
+    extra_args = ("--tensor-parallel-size", str(TP), "--segment-mib", "64")
+    with running_pair(tmp_path_factory.mktemp("tp2"), extra_args=extra_args) as info:
         warm_loads(info)  # every rank's first transfers from each segment made (and waited through)
         yield info
 
