@@ -29,6 +29,11 @@ def preflight(cfg: ServePairConfig) -> None:
             f"--block-size {cfg.block_size} is not supported by vLLM's CPU attention backend; "
             f"use a multiple of {CPU_BLOCK_MULTIPLE}"
         )
+    if _is_cpu_vllm() and (cfg.kv_cache_gib < 1 or not float(cfg.kv_cache_gib).is_integer()):
+        raise UserError(
+            f"--kv-cache-gib {cfg.kv_cache_gib:g} cannot be given to vLLM's CPU backend, which takes whole "
+            "GiB (VLLM_CPU_KVCACHE_SPACE); use a whole number, 1 or more"
+        )
     if cfg.hash_unit > cfg.block_size:
         raise UserError(
             f"--hash-unit {cfg.hash_unit} is larger than --block-size {cfg.block_size}; use 1..{cfg.block_size}"

@@ -291,6 +291,13 @@ def test_preflight_rejects_block_size_the_cpu_backend_refuses(tmp_path, model_di
         preflight(make_config(tmp_path, model_dir, block_size=16))
 
 
+@pytest.mark.parametrize("gib", [0.25, 1.5, 0])
+def test_preflight_rejects_a_kv_cache_the_cpu_backend_cannot_take(tmp_path, model_dir, monkeypatch, gib):
+    monkeypatch.setattr("kvtool.pair.preflight._is_cpu_vllm", lambda: True)
+    with pytest.raises(UserError, match=f"--kv-cache-gib {gib:g} cannot be given to vLLM's CPU backend"):
+        preflight(make_config(tmp_path, model_dir, kv_cache_gib=gib))
+
+
 def test_smoke_prompts_extend_the_producer_prompt():
     (short, short_ext), (long, long_ext) = smoke_prompts(1024)
     assert (len(short), len(short_ext), len(long), len(long_ext)) == (20, 50, 85, 115)
