@@ -256,11 +256,11 @@ class HitJudge:
         """The first step that computes a request: when its load was sent (and did not fail: the caller
         passes no failed one), its whole delay since its lookup answered goes to the model."""
         marks = timeline.marks
-        if not self.enabled or plan is None or not plan.objects or "computing" in marks or "load_sent" not in marks:
+        measured = "load_sent" in marks and "answered" in marks and "computing" not in marks  # once, a load's
+        if not self.enabled or plan is None or not plan.objects or not measured:
             return
-        if "answered" in marks:
-            nbytes = sum(self.object_bytes(ref) for ref in plan.objects)
-            self.model.observe_delay(nbytes, now_s - marks["answered"][0])
+        nbytes = sum(self.object_bytes(ref) for ref in plan.objects)
+        self.model.observe_delay(nbytes, now_s - marks["answered"][0])
 
     def __call__(self, keys: PromptKeys, stored: StoredPrefix, local_tokens: int, plan: LoadPlan) -> Verdict:
         if not self.enabled or plan.external_tokens == 0:

@@ -187,7 +187,8 @@ Advance = Callable[[str], None]
 class QuietClock:
     """When the last request ended: each request starts ``quiet_s`` after it (BenchConfig.quiet_s), one
     clock per bench run, shared by every pair an interleaved run alternates. Every request the bench
-    sends counts, the recomputation that verifies an answer too: interleaved, the pair that went second
+    sends counts (``PairRunner._request``), the warm-up's and the recomputation that verifies an answer
+    too: interleaved, the pair that went second
     otherwise started the moment the first pair's recomputation of a long prompt ended, and computed
     its own 1,190-token misses 15-40% slower in every run."""
 
@@ -267,8 +268,16 @@ class PairRunner:
         extra = {"cache_salt": f"{self.salt}-warm-up"}
         timeout_s = self.config.request_timeout_s
         for url in (self.pair.producer, self.pair.consumer):
-            complete(url, self.pair.model, warm_prompt, 2, extra=extra, timeout_s=timeout_s)
-            complete(url, self.pair.model, warm_prompt, 2, TOP_LOGPROBS, stream=True, extra=extra, timeout_s=timeout_s)
+            self._request(url, warm_prompt, 2, extra=extra, timeout_s=timeout_s)
+            self._request(url, warm_prompt, 2, logprobs=TOP_LOGPROBS, stream=True, extra=extra, timeout_s=timeout_s)
+
+    def _request(self, url: str, prompt: list[int], max_tokens: int, **options: Any) -> dict[str, Any]:
+        """Every request the bench sends (``complete``'s arguments): the quiet clock counts from its end,
+        answered or failed, whatever it was (a warm-up, a measured step, a verifying recomputation)."""
+        try:
+            return complete(url, self.pair.model, prompt, max_tokens, **options)
+        finally:
+            self.quiet.done()
 
     def run(self, name: str, steps: list[Step], ideal: dict[int, int] | None, advance: Advance) -> WorkloadRun:
         """Send the steps in order. ``ideal``: the planned ideals of the consumer steps (the steps
@@ -323,9 +332,8 @@ class PairRunner:
         tag = f"{self.run_id}-{name}-{index}"
         metric = TTFT_METRIC if consumer else LATENCY_METRIC
         before = engine_totals(url, metric) if measured or not consumer else None
-        response = complete(
+        response = self._request(
             url,
-            self.pair.model,
             list(prompt),
             step.max_tokens,
             logprobs=TOP_LOGPROBS if consumer and self.config.verify else None,
@@ -342,7 +350,6 @@ class PairRunner:
                 f"workload {name} continues answers and needs them"
             )
         figure = engine_ms(before, engine_totals(url, metric)) if before is not None else None
-        self.quiet.done()
         return Exchange(prompt, response, record, answer, figure)
 
     def _log_record(self, engine: Target, reader: RequestLogReader, tag: str) -> HitDetails:
@@ -402,9 +409,8 @@ class PairRunner:
 
     def _verify(self, step: Step, exchange: Exchange) -> tuple[bool, float, str]:
         """The answer compared with a recomputation (prompt_logprobs makes vLLM skip every cache)."""
-        reference = complete(
+        reference = self._request(  # the recomputation is a request too: the next one waits quiet_s after it
             self.pair.consumer,
-            self.pair.model,
             list(exchange.prompt),
             step.max_tokens,
             logprobs=TOP_LOGPROBS,
@@ -412,6 +418,5 @@ class PairRunner:
             extra=self._extra(),
             timeout_s=self.config.request_timeout_s,
         )
-        self.quiet.done()  # the recomputation is a request too: the next one waits quiet_s after it
         comparison = compare_answers(exchange.response, reference, self.config.tolerance)
         return comparison.matches, comparison.max_logprob_diff, comparison.reason

@@ -410,9 +410,9 @@ def test_chat_tables_fit_80_columns():
     assert_fits(text, ("chat (producer)", "chat (consumer)", "68.1% / 11.0", "75.0% / 12.0"))
 
 
-def test_the_next_request_waits_quiet_s_after_the_recomputation_too(tmp_path, monkeypatch, waited):
-    """A verified answer's recomputation is a request: the quiet time counts from its end, or an
-    interleaved run's second pair would start while the first pair's engine still works on it."""
+def test_every_request_restarts_the_quiet_clock_warm_up_and_recomputation_too(tmp_path, monkeypatch, waited):
+    """A warm-up request and a verified answer's recomputation are requests: the quiet time counts from
+    their end, or an interleaved run's second pair would start while the first pair's engine still works."""
     from kvtool.bench.runner import QuietClock
 
     events: list[str] = []
@@ -433,9 +433,13 @@ def test_the_next_request_waits_quiet_s_after_the_recomputation_too(tmp_path, mo
 
     monkeypatch.setattr("kvtool.bench.runner.complete", sent)
     pair = ready("kvtool", logs={engine: str(path) for engine, path in logs.items()})
-    PairRunner(pair, BenchConfig(verify=True, quiet_s=0), Spy(0)).run("chat", Chat().steps(SHAPE), None, print)
+    runner = PairRunner(pair, BenchConfig(verify=True, quiet_s=0), Spy(0))
+    runner.warm_up()
+    assert events == ["request", "done"] * 4  # two to each engine
+    runner.run("chat", Chat().steps(SHAPE), None, print)
     assert "recompute" in events
     pending = False
     for event in events:
         assert not (event == "wait" and pending), events
         pending = event in ("request", "recompute") or (pending and event != "done")
+    assert not pending
