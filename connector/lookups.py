@@ -131,6 +131,16 @@ class LookupBatcher:
             self._collect()
         return self._clock() - start
 
+    def take_stats(self) -> dict[str, int]:
+        """The batches sent and the lookups timed out since the last call (counters for the metrics)."""
+        taken = {
+            name: value
+            for name, value in (("lookup_batches", self.batches), ("lookup_timeouts", self.timeouts))
+            if value
+        }
+        self.batches = self.timeouts = 0
+        return taken
+
     def _collect(self) -> None:
         job = self._job
         if job is None or not job.future.done():

@@ -20,6 +20,7 @@ COUNTERS: dict[str, str] = {
     "lookup_errors": "lookups that failed (store error or time-out): served as misses",
     "lookup_batches": "lookup batches sent to the store (one per scheduler step with new requests)",
     "lookup_timeouts": "lookups not answered within lookup_timeout_s: misses",
+    "lookups_not_worth": "requests not looked up: no hit could pay for its load (the cost model), or none to gain",
     "pointer_reads_failed": "lookups whose pointer reads failed: served without the hits that needed them",
     "requests_unhashable": "requests whose token ids the key schema cannot encode: never looked up or saved",
     "session_chunks_rekeyed": "streaming-input sessions whose next chunk changed their keys",

@@ -252,6 +252,26 @@ class HitJudge:
             f"{d['prefill_us_per_token']})"
         )
 
+    def lookup_skipped(self, tokens: int) -> str | None:
+        """Why no lookup is made for a request that could gain at most ``tokens`` tokens (its prompt less
+        one, less what the engine holds), or None: none to gain, or (the model ready) even a load of no
+        bytes would cost more than their prefill, so any hit found would be declined; the lookup's round
+        trip (1-2 ms on an idle CPU engine) is then all it would cost. One in ``EXPLORE_EVERY`` is made
+        anyway, and its hit taken, as a declined hit is (loads stay measured)."""
+        if tokens <= 0:
+            return "the engine holds every token a hit could claim"
+        if not self.enabled or not self.model.ready:
+            return None
+        cheapest, saved = self.model.load_s(0), self.model.prefill_s(tokens)
+        if saved > cheapest:
+            return None
+        self._declined += 1
+        if self._declined >= EXPLORE_EVERY:
+            return None  # ``__call__`` takes its hit (explored) and starts counting again
+        return (
+            f"no hit could pay: a load costs {cheapest * 1e3:.1f} ms, the {tokens} tokens' prefill {saved * 1e3:.1f} ms"
+        )
+
     def request_computed(self, timeline: Timeline, plan: LoadPlan | None, now_s: float) -> None:
         """The first step that computes a request: when its load was sent (and did not fail: the caller
         passes no failed one), its whole delay since its lookup answered goes to the model."""

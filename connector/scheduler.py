@@ -148,6 +148,8 @@ class SchedulerSide:
             return 0, False
         if tracked.load_failure is not None:
             return 0, False  # its load failed: vLLM recomputes, and a second try would likely fail too
+        if not self._saves_enabled and not self._worth_a_lookup(tracked, num_computed_tokens):
+            return 0, False
         outcome = self._lookups.poll(req_id)
         if outcome is None:
             self._lookups.want(req_id, tracked.keys)
@@ -178,6 +180,17 @@ class SchedulerSide:
         tracked.lookup = "hit" if plan.external_tokens else "miss"
         tracked.offered = True
         return plan.external_tokens, plan.external_tokens > 0
+
+    def _worth_a_lookup(self, tracked: TrackedRequest, local_tokens: int) -> bool:
+        """Whether a lookup could pay (``HitJudge.lookup_skipped``), decided once a request. Only where
+        nothing is saved: a saving engine's lookup also tells its save what is stored already."""
+        if tracked.lookup_worth is None:
+            skipped = self._judge.lookup_skipped(len(tracked.keys.tokens) - 1 - local_tokens)
+            tracked.lookup_worth = skipped is None
+            if skipped is not None:
+                tracked.lookup = f"not looked up: {skipped}"
+                self.stats.add("lookups_not_worth")
+        return tracked.lookup_worth
 
     def _settle_lookup(self, req_id: str) -> Outcome | None:
         """Wait for a lookup within what is left of this step's budget (``SYNC_LOOKUP_BUDGET_S``): on a
@@ -279,14 +292,7 @@ class SchedulerSide:
             tracked = self._live(req_id)
             if tracked is None:
                 continue
-            new_block_ids = cached.new_block_ids[index]
-            if req_id in cached.resumed_req_ids:
-                tracked.block_ids = [list(ids) for ids in new_block_ids] if new_block_ids is not None else []
-            elif new_block_ids is not None:
-                for group, ids in enumerate(new_block_ids):
-                    while len(tracked.block_ids) <= group:
-                        tracked.block_ids.append([])
-                    tracked.block_ids[group].extend(ids)
+            tracked.take_blocks(cached.new_block_ids[index], resumed=req_id in cached.resumed_req_ids)
             self._maybe_save(meta, tracked, cached.num_computed_tokens[index], scheduler_output)
         if block_state is not None and block_state.boundary_state_offloads:
             self._save_boundary_states(meta, block_state.boundary_state_offloads)
@@ -411,13 +417,7 @@ class SchedulerSide:
     # -- finish -------------------------------------------------------------------------------------
 
     def take_stats(self) -> dict[str, int]:
-        taken = self.stats.take()
-        if self._lookups is not None:
-            for counter, name in (("lookup_batches", "batches"), ("lookup_timeouts", "timeouts")):
-                value = getattr(self._lookups, name)
-                if value:
-                    taken[counter] = value
-                    setattr(self._lookups, name, 0)
+        taken = self.stats.take() | (self._lookups.take_stats() if self._lookups is not None else {})
         more = getattr(self._store, "take_stats", None)
         if more is not None:
             for name, value in more().items():

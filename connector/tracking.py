@@ -76,6 +76,7 @@ class TrackedRequest:
     unhashable: str | None = None  # why it cannot be keyed (then it is never looked up or saved)
     stored_prefix_tokens: int = 0
     lookup: str = "not looked up"
+    lookup_worth: bool | None = None  # whether a lookup could pay, decided once (SchedulerSide._worth_a_lookup)
     local_tokens: int = 0  # vLLM's own (block-aligned) prefix-cache hit, as presented to the lookup
     granted_external: int = 0  # external tokens the scheduler took
     save_scheduled: bool = False
@@ -100,6 +101,16 @@ class TrackedRequest:
         if unhashable:
             tracked.lookup = f"not looked up: {unhashable}"
         return tracked
+
+    def take_blocks(self, new_block_ids: tuple[list[int], ...] | None, resumed: bool) -> None:
+        """The blocks vLLM gave it in a step: a resumed request's whole tables, else more per group."""
+        if resumed:
+            self.block_ids = [list(ids) for ids in new_block_ids] if new_block_ids is not None else []
+            return
+        for group, ids in enumerate(new_block_ids or ()):
+            while len(self.block_ids) <= group:
+                self.block_ids.append([])
+            self.block_ids[group].extend(ids)
 
     def refresh(self, space: KeySpace) -> bool:
         """Key the request again if vLLM changed its prompt or identity since (a streaming-input

@@ -271,10 +271,16 @@ class LaunchedRuns:
         return {name: connector_report(runs[name], block_size) for name in self.compare if name in runs}, ports
 
 
+# Benchmark results (every JSON and plot under benchmarks/ is one): a command that writes several, run
+# after run, changes no code the next run measures.
+RESULT_FILES = (":(exclude,glob)benchmarks/**/*.json", ":(exclude,glob)benchmarks/**/*.png")
+
+
 def provenance(repo: Path = REPO_ROOT) -> dict[str, Any]:
     """Where a result is measured: the kvtool commit (``head``, with ``+`` when the checkout has
-    uncommitted changes to tracked files; None where kvtool is not a git checkout of its own, e.g.
-    installed into another project's environment), when (``started_at``, UTC) and the cores it may use."""
+    uncommitted changes to tracked files other than benchmark results; None where kvtool is not a git
+    checkout of its own, e.g. installed into another project's environment), when (``started_at``, UTC)
+    and the cores it may use."""
 
     def git(*args: str) -> str | None:
         try:
@@ -287,7 +293,7 @@ def provenance(repo: Path = REPO_ROOT) -> dict[str, Any]:
 
     top = git("rev-parse", "--show-toplevel")
     head = git("rev-parse", "--short", "HEAD") if top and Path(top).resolve() == repo.resolve() else None
-    if head and git("status", "--porcelain", "--untracked-files=no"):
+    if head and git("status", "--porcelain", "--untracked-files=no", "--", ".", *RESULT_FILES):
         head += "+"
     return {
         "head": head,

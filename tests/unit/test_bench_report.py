@@ -246,7 +246,7 @@ def test_bench_flags_map_to_the_config_and_a_bad_one_is_named():
 
 def test_a_bench_result_names_the_commit_it_measured(tmp_path):
     """A result says which code produced it: the checkout's short head (``+`` for uncommitted changes to
-    tracked files), when, and on how many cores; outside a git checkout the head is None."""
+    tracked files, benchmark results aside), when, and on how many cores; outside a git checkout the head is None."""
     import subprocess
 
     from kvtool.bench.command import provenance
@@ -262,6 +262,15 @@ def test_a_bench_result_names_the_commit_it_measured(tmp_path):
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tmp_path, capture_output=True, text=True)
     found = provenance(tmp_path)
     assert found["head"] == head.stdout.strip() and found["cpus"] >= 1 and found["started_at"].endswith("+00:00")
+    (tmp_path / "benchmarks" / "peers").mkdir(parents=True)  # a benchmark's earlier results: not code
+    for result in ("benchmarks/peers/run.json", "benchmarks/peers/run.png"):
+        (tmp_path / result).write_text("{}")
+        git("add", result)
+    git("-c", "user.name=t", "-c", "user.email=t@example.com", "commit", "-q", "-m", "results")
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tmp_path, capture_output=True, text=True)
+    for result in ("benchmarks/peers/run.json", "benchmarks/peers/run.png"):
+        (tmp_path / result).write_text("{1}")
+    assert provenance(tmp_path)["head"] == head.stdout.strip()
     (tmp_path / "a.txt").write_text("two\n")
     assert provenance(tmp_path)["head"] == head.stdout.strip() + "+"
     # A directory inside another project's checkout (kvtool installed there) is not kvtool's checkout.

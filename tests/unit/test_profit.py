@@ -184,3 +184,17 @@ def test_one_long_delay_does_not_make_every_load_look_dear():
     assert m.load_s(40_000) < 0.007
     eleven = plan(0, 11, [ref(0, KeyKind.TAIL, 11)])
     assert judge(eleven, None, lambda _ref: 40_000, m).skipped is None
+
+
+def test_a_lookup_is_skipped_only_where_no_load_could_pay_and_one_in_explore_every_is_made():
+    from connector.profit import EXPLORE_EVERY, HitJudge
+
+    judge_ = HitJudge((1 << 20,))
+    assert judge_.lookup_skipped(0) == "the engine holds every token a hit could claim"
+    assert judge_.lookup_skipped(3) is None  # the model has seen nothing: every hit is taken
+    judge_.model = model(0.005, 1000.0, 1e-4)  # a load costs at least 5 ms; a token's prefill 0.1 ms
+    assert judge_.lookup_skipped(51) is None  # 5.1 ms of prefill could pay
+    skipped = [judge_.lookup_skipped(49) for _ in range(EXPLORE_EVERY)]
+    assert all(reason and reason.startswith("no hit could pay") for reason in skipped[:-1])
+    assert skipped[-1] is None  # looked up anyway: its hit keeps loads measured
+    assert HitJudge((1 << 20,), enabled=False).lookup_skipped(1) is None

@@ -29,13 +29,69 @@ def fed_consumer(store, *, load_s: float, prefill_s_per_token: float, block_byte
 def test_a_hit_that_costs_more_to_load_than_to_compute_is_not_taken_and_says_why():
     store = ScriptedStore()
     publish(store, PROMPT)
-    side = fed_consumer(store, load_s=0.050, prefill_s_per_token=1e-5)  # 85 tokens: 0.85 ms of prefill
+    # A load waits 1 ms and moves 1 GB/s; a token's prefill costs 0.1 ms: 87 tokens could pay for a load
+    # (the lookup is made), but the hit's three 1 GB objects take 3 s to load for 8.5 ms of prefill.
+    side = fed_consumer(store, load_s=0.001, prefill_s_per_token=1e-4, block_bytes=1 << 30)
     req = request(PROMPT + [1, 2, 3])
     assert lookup(side, req) == (0, False)
     details = side.request_finished(req)[1]["kvtool"]
     assert details["lookup"] == "miss" and details["external_hit_tokens"] == 0
     assert details["load_skipped"].startswith("unprofitable: a load of")
     assert side.take_stats()["loads_unprofitable"] == 1
+
+
+class CountingStore(ScriptedStore):
+    def __init__(self):
+        super().__init__()
+        self.queries = 0
+
+    def exists(self, keys):
+        self.queries += 1
+        return super().exists(keys)
+
+
+def test_no_lookup_is_made_when_no_hit_could_pay_and_the_request_says_why():
+    """A load waits 50 ms and a token's prefill costs 0.01 ms: no hit of an 88-token prompt can pay,
+    so the request is computed without waiting for a lookup's round trip. Decided once a request."""
+    store = CountingStore()
+    publish(store, PROMPT)
+    side = fed_consumer(store, load_s=0.050, prefill_s_per_token=1e-5)
+    req = request(PROMPT + [1, 2, 3])
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)  # at once: no step waits for an answer
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)  # not scheduled yet: asked again
+    side.build_connector_meta(EMPTY_STEP)
+    assert store.queries == 0
+    details = side.request_finished(req)[1]["kvtool"]
+    assert details["lookup"].startswith("not looked up: no hit could pay: a load costs 5")
+    assert details["external_hit_tokens"] == 0
+    assert side.take_stats()["lookups_not_worth"] == 1
+
+
+def test_a_prompt_the_engine_holds_but_its_last_token_is_never_looked_up():
+    store = CountingStore()
+    publish(store, PROMPT)
+    side = SchedulerSide(
+        CONFIG, NS, store, loads_enabled=True, saves_enabled=False, lookup_calls=InlineCalls(), block_bytes=(1 << 20,)
+    )  # the cost model knows nothing yet: every hit would be taken
+    req = request(PROMPT[:65])
+    assert side.get_num_new_matched_tokens(req, 64) == (0, False)
+    assert store.queries == 0
+    assert side.request_finished(req)[1]["kvtool"]["lookup"].endswith("every token a hit could claim")
+
+
+def test_an_engine_that_saves_looks_up_even_where_no_hit_could_pay():
+    """Its lookup also tells its save what is stored already (kv_both)."""
+    from connector.data import KVToolWorkerMeta
+
+    store = CountingStore()
+    publish(store, PROMPT)
+    side = SchedulerSide(
+        CONFIG, NS, store, loads_enabled=True, saves_enabled=True, lookup_calls=InlineCalls(), block_bytes=(1 << 20,)
+    )
+    loads = [(n << 20, n * 1e-3, 0.050 + n * 1e-3) for n in range(1, 7)]
+    side.record_worker_meta(KVToolWorkerMeta({}, loads, [(t, 0.001 + t * 1e-5) for t in (1, 16, 64, 256, 1024)]))
+    assert lookup(side, request(PROMPT + [1, 2, 3])) == (0, False)
+    assert store.queries >= 1
 
 
 def test_a_partial_block_that_does_not_pay_is_dropped_and_the_full_blocks_are_loaded():
