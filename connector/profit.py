@@ -218,6 +218,15 @@ def judge(
     return Verdict(plan)
 
 
+NO_HIT_COULD_PAY = "no hit could pay"  # why a request was not looked up (its hit details' lookup says it)
+
+
+@dataclass(frozen=True)
+class LookupVerdict:
+    skipped: str | None = None  # why no lookup is made (None: one is)
+    explore: bool = False  # looked up though no hit could pay: its hit is taken, so that loads stay measured
+
+
 class HitJudge:
     """The scheduler side's judge: the engine's cost model, and what each group's object weighs."""
 
@@ -228,6 +237,7 @@ class HitJudge:
         self.enabled = enabled and bool(block_bytes)
         self._described_at: float | None = None
         self._declined = 0  # hits not taken since the last one taken anyway (EXPLORE_EVERY)
+        self._not_worth = 0  # requests not looked up since the last one looked up anyway
 
     def object_bytes(self, ref: ObjectRef) -> int:
         group = ref.group
@@ -252,25 +262,25 @@ class HitJudge:
             f"{d['prefill_us_per_token']})"
         )
 
-    def lookup_skipped(self, tokens: int) -> str | None:
-        """Why no lookup is made for a request that could gain at most ``tokens`` tokens (its prompt less
-        one, less what the engine holds), or None: none to gain, or (the model ready) even a load of no
-        bytes would cost more than their prefill, so any hit found would be declined; the lookup's round
-        trip (1-2 ms on an idle CPU engine) is then all it would cost. One in ``EXPLORE_EVERY`` is made
-        anyway, and its hit taken, as a declined hit is (loads stay measured)."""
+    def lookup_verdict(self, tokens: int) -> LookupVerdict:
+        """Whether to look up a request that could gain at most ``tokens`` tokens (its prompt less one,
+        less what the engine holds): not where there is none to gain, nor where (the model ready) even a
+        load of no bytes would cost more than their prefill, so that any hit found would be declined and
+        the lookup's round trip (1-2 ms on an idle CPU engine) be all it cost. One such request in
+        ``EXPLORE_EVERY`` is looked up anyway and its hit taken (``explore``), so loads stay measured."""
         if tokens <= 0:
-            return "the engine holds every token a hit could claim"
+            return LookupVerdict("the engine holds every token a hit could claim")
         if not self.enabled or not self.model.ready:
-            return None
+            return LookupVerdict()
         cheapest, saved = self.model.load_s(0), self.model.prefill_s(tokens)
         if saved > cheapest:
-            return None
-        self._declined += 1
-        if self._declined >= EXPLORE_EVERY:
-            return None  # ``__call__`` takes its hit (explored) and starts counting again
-        return (
-            f"no hit could pay: a load costs {cheapest * 1e3:.1f} ms, the {tokens} tokens' prefill {saved * 1e3:.1f} ms"
-        )
+            return LookupVerdict()
+        self._not_worth += 1
+        if self._not_worth >= EXPLORE_EVERY:
+            self._not_worth = 0
+            return LookupVerdict(explore=True)
+        cost = f"a load costs {cheapest * 1e3:.1f} ms, the {tokens} tokens' prefill {saved * 1e3:.1f} ms"
+        return LookupVerdict(f"{NO_HIT_COULD_PAY}: {cost}")
 
     def request_computed(self, timeline: Timeline, plan: LoadPlan | None, now_s: float) -> None:
         """The first step that computes a request: when its load was sent (and did not fail: the caller
@@ -282,7 +292,10 @@ class HitJudge:
         nbytes = sum(self.object_bytes(ref) for ref in plan.objects)
         self.model.observe_delay(nbytes, now_s - marks["answered"][0])
 
-    def __call__(self, keys: PromptKeys, stored: StoredPrefix, local_tokens: int, plan: LoadPlan) -> Verdict:
+    def __call__(
+        self, keys: PromptKeys, stored: StoredPrefix, local_tokens: int, plan: LoadPlan, explore: bool = False
+    ) -> Verdict:
+        """The hit to take; ``explore``: a request looked up to explore (``lookup_verdict``) takes it whole."""
         if not self.enabled or plan.external_tokens == 0:
             return Verdict(plan)
         cut = stored.hit_tokens // keys.block_size * keys.block_size
@@ -292,6 +305,8 @@ class HitJudge:
         verdict = judge(plan, trimmed, self.object_bytes, self.model)
         if verdict.skipped is None:
             return verdict
+        if explore:
+            return Verdict(plan, None, "explored")
         self._declined += 1
         if self._declined >= EXPLORE_EVERY:
             # Taken anyway: a model that declines every load would never see a load again, and a slow

@@ -19,7 +19,7 @@ from .lookups import POINTER_READ_SHARE, LookupBatcher, Outcome, pointer_reader
 from .prefix import ObjectRef, plan_load, plan_save, single_group
 from .profit import HitJudge
 from .ranks import on_every_rank, rank_components
-from .search import StoredPrefix, find_saved_objects, find_stored_prefixes
+from .search import find_saved_objects, find_stored_prefixes
 from .store import KVStore, StoreError
 from .saveplans import add_state_saves, last_put_key, save_transfer, state_transfers
 from .tracking import KeySpace, RequestLog, TrackedRequest
@@ -148,7 +148,7 @@ class SchedulerSide:
             return 0, False
         if tracked.load_failure is not None:
             return 0, False  # its load failed: vLLM recomputes, and a second try would likely fail too
-        if not self._saves_enabled and not self._worth_a_lookup(tracked, num_computed_tokens):
+        if not self._worth_a_lookup(tracked, num_computed_tokens):
             return 0, False
         outcome = self._lookups.poll(req_id)
         if outcome is None:
@@ -167,7 +167,7 @@ class SchedulerSide:
         if outcome.pointer_read_failed:
             self.stats.add("pointer_reads_failed")
         plan = plan_load(tracked.keys, outcome, num_computed_tokens)
-        verdict = self._judge(tracked.keys, outcome, num_computed_tokens, plan)
+        verdict = self._judge(tracked.keys, outcome, num_computed_tokens, plan, tracked.explore)
         tracked.load_skipped = None
         if verdict.skipped is not None:
             self.stats.add(f"loads_{verdict.skipped}")
@@ -182,13 +182,16 @@ class SchedulerSide:
         return plan.external_tokens, plan.external_tokens > 0
 
     def _worth_a_lookup(self, tracked: TrackedRequest, local_tokens: int) -> bool:
-        """Whether a lookup could pay (``HitJudge.lookup_skipped``), decided once a request. Only where
-        nothing is saved: a saving engine's lookup also tells its save what is stored already."""
-        if tracked.lookup_worth is None:
-            skipped = self._judge.lookup_skipped(len(tracked.keys.tokens) - 1 - local_tokens)
-            tracked.lookup_worth = skipped is None
-            if skipped is not None:
-                tracked.lookup = f"not looked up: {skipped}"
+        """``HitJudge.lookup_verdict``, decided when first asked and again where there is more to gain since
+        (preempted, re-keyed). A saving engine always looks up: its saves use what a lookup finds stored."""
+        if self._saves_enabled or self._answers_enabled:
+            return True
+        gain = len(tracked.keys.tokens) - 1 - local_tokens
+        if tracked.lookup_gain is None or gain > tracked.lookup_gain:
+            verdict = self._judge.lookup_verdict(gain)
+            tracked.lookup_gain, tracked.lookup_worth, tracked.explore = gain, not verdict.skipped, verdict.explore
+            if verdict.skipped:
+                tracked.lookup = f"not looked up: {verdict.skipped}"
                 self.stats.add("lookups_not_worth")
         return tracked.lookup_worth
 
@@ -375,17 +378,9 @@ class SchedulerSide:
         return ids[save.block_index]
 
     def _known_present(self, tracked: TrackedRequest, saves: list[ObjectRef]) -> list[bool]:
-        """Which of the prompt's objects a lookup already found stored (no copy needed for those).
-
-        Nothing is taken as present after a failed load (the object may be gone); the worker asks
-        the store again, in the background, before it puts anything."""
-        stored = tracked.stored
-        if stored is None and self._lookups is not None:
-            outcome = self._lookups.poll(tracked.request.request_id)
-            stored = outcome if isinstance(outcome, StoredPrefix) else None
-        if stored is None or tracked.load_failure is not None:
-            return [False] * len(saves)
-        return [s.key in stored.present for s in saves]
+        """Which of the prompt's objects a lookup already found stored (no copy needed for those)."""
+        polled = self._lookups.poll(tracked.request.request_id) if tracked.stored is None and self._lookups else None
+        return tracked.known_present(saves, polled)
 
     def record_transfers(self, received: set[str] | None, sent: set[str] | None) -> None:
         """Loads the worker reported received (their blocks are filled, or vLLM recomputes), and answer

@@ -25,7 +25,7 @@ from .hashing import RequestIdentity, UnkeyableTokens
 from .hits import HitDetails
 from .identity import UnhashableRequest, identity_size, prompt_tokens, request_identity
 from .keys import watermark_key
-from .prefix import LoadPlan, PromptKeys
+from .prefix import LoadPlan, ObjectRef, PromptKeys
 from .search import StoredPrefix
 from .timeline import Timeline
 from .watermarks import SEQ_FINAL
@@ -76,7 +76,11 @@ class TrackedRequest:
     unhashable: str | None = None  # why it cannot be keyed (then it is never looked up or saved)
     stored_prefix_tokens: int = 0
     lookup: str = "not looked up"
-    lookup_worth: bool | None = None  # whether a lookup could pay, decided once (SchedulerSide._worth_a_lookup)
+    # Whether a lookup could pay (SchedulerSide._worth_a_lookup), for how many tokens to gain it was decided,
+    # and whether its hit is taken to explore (profit.LookupVerdict).
+    lookup_gain: int | None = None
+    lookup_worth: bool = True
+    explore: bool = False
     local_tokens: int = 0  # vLLM's own (block-aligned) prefix-cache hit, as presented to the lookup
     granted_external: int = 0  # external tokens the scheduler took
     save_scheduled: bool = False
@@ -101,6 +105,15 @@ class TrackedRequest:
         if unhashable:
             tracked.lookup = f"not looked up: {unhashable}"
         return tracked
+
+    def known_present(self, saves: list[ObjectRef], polled: object = None) -> list[bool]:
+        """Which of ``saves`` its lookup found stored (``stored``, or ``polled``: the lookup's answer not
+        taken yet). None after a failed load (the object may be gone); the worker asks the store again,
+        in the background, before it puts anything."""
+        stored = self.stored if self.stored is not None else polled
+        if not isinstance(stored, StoredPrefix) or self.load_failure is not None:
+            return [False] * len(saves)
+        return [s.key in stored.present for s in saves]
 
     def take_blocks(self, new_block_ids: tuple[list[int], ...] | None, resumed: bool) -> None:
         """The blocks vLLM gave it in a step: a resumed request's whole tables, else more per group."""

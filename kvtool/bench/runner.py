@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 
 from connector.hits import HitDetails
+from connector.profit import NO_HIT_COULD_PAY
 from kvtool import web
 from kvtool.pair.profiles import profile
 from kvtool.pair.ready import ReadyFile
@@ -146,15 +147,20 @@ class Hit:
     declined_tokens: int = 0  # found stored, not loaded: the cost model judged they cost more than they save
 
 
-def kvtool_hit(details: HitDetails) -> Hit:
+def kvtool_hit(details: HitDetails, ideal_tokens: int | None = None) -> Hit:
     """The kvtool connector's hit: vLLM's local hit plus what the connector loaded, split into block
     and tail (vLLM's own prefix cache hits whole blocks only, so everything but the tail is blocks),
     and what its cost model declined of what the lookup found (at most all but the prompt's last token,
-    which vLLM always computes)."""
+    which vLLM always computes), or of ``ideal_tokens`` where it judged no hit could pay and made no
+    lookup."""
     total, tail = details.reused_tokens, details.tail_hit_tokens
-    declined = 0
+    declined, found = 0, None
     if details.load_skipped is not None:
-        declined = max(0, min(details.stored_prefix_tokens, details.prompt_tokens - 1) - total)
+        found = details.stored_prefix_tokens
+    elif details.lookup.startswith(f"not looked up: {NO_HIT_COULD_PAY}") and ideal_tokens is not None:
+        found = ideal_tokens
+    if found is not None:
+        declined = max(0, min(found, details.prompt_tokens - 1) - total)
     return Hit(total, total - tail, tail, details.lookup, declined)
 
 
@@ -384,7 +390,11 @@ class PairRunner:
             (run.consumers if step.target == "consumer" else run.measured_producers).append(measured)
 
     def _measure(self, name: str, index: int, step: Step, exchange: Exchange, ideal_tokens: int) -> ConsumerResult:
-        hit = kvtool_hit(exchange.record) if exchange.record is not None else cached_tokens_hit(exchange.response)
+        hit = (
+            kvtool_hit(exchange.record, ideal_tokens)
+            if exchange.record is not None
+            else cached_tokens_hit(exchange.response)
+        )
         verified = step.target == "consumer" and self.config.verify
         matched, diff, reason = self._verify(step, exchange) if verified else (None, None, "")
         return ConsumerResult(

@@ -30,18 +30,28 @@ STOP_TIMEOUT_S = 60.0
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.hookimpl(trylast=True)  # after pytest has grouped the tests by session fixture parameter
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Marks the e2e tests, and runs the tests of the hybrid pairs last: pytest keeps a parametrized
-    session fixture's last pair up until the session ends, and the mamba pair beside the session's
-    tiny pair and a later module's own pair (tensor parallelism's four workers) came within reach of
-    the machine's 24 GiB, where the OOM killer took an engine's worker."""
     here = Path(__file__).parent
     for item in items:
         if here in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.e2e)
-    hybrid = [item for item in items if "hybrid" in getattr(item, "fixturenames", ())]
-    items[:] = [item for item in items if "hybrid" not in getattr(item, "fixturenames", ())] + hybrid
+
+
+class HybridPairsLast:
+    """Runs the tests of the hybrid pairs last: pytest keeps a parametrized session fixture's last pair
+    up until the session ends, and the mamba pair beside the session's tiny pair and a later module's
+    own pair (tensor parallelism's four workers) came within reach of the machine's 24 GiB, where the
+    OOM killer took an engine's worker. A plugin of its own, so that only the reordering runs after
+    pytest's (which groups the tests by fixture parameter), the e2e marking before ``-m`` selects."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        hybrid = [item for item in items if "hybrid" in getattr(item, "fixturenames", ())]
+        items[:] = [item for item in items if "hybrid" not in getattr(item, "fixturenames", ())] + hybrid
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(HybridPairsLast(), "kvtool-hybrid-pairs-last")
 
 
 def _log_tails(log_dir: Path) -> str:

@@ -127,6 +127,13 @@ def test_what_the_cost_model_declined_is_counted_apart_from_what_was_reused():
     assert kvtool_hit(trimmed).declined_tokens == 21
     whole = HitDetails(90, "hit", stored_prefix_tokens=85, external_hit_tokens=85, tail_hit_tokens=21)
     assert kvtool_hit(whole).declined_tokens == 0
+    # Not looked up, no hit could pay: what the ideal offered beyond vLLM's own hit was declined.
+    unasked = HitDetails(66, "not looked up: no hit could pay: a load costs 3.0 ms", local_hit_tokens=64)
+    assert (kvtool_hit(unasked, ideal_tokens=65).tokens, kvtool_hit(unasked, ideal_tokens=65).declined_tokens) == (
+        64,
+        1,
+    )
+    assert kvtool_hit(unasked).declined_tokens == 0  # no ideal known
     results = [consumer(hit=30), replace(consumer(ideal=30, hit=20, tail=20), declined_tokens=10)]
     summary = summarize(results)
     assert summary.declined_tokens == 10

@@ -190,11 +190,27 @@ def test_a_lookup_is_skipped_only_where_no_load_could_pay_and_one_in_explore_eve
     from connector.profit import EXPLORE_EVERY, HitJudge
 
     judge_ = HitJudge((1 << 20,))
-    assert judge_.lookup_skipped(0) == "the engine holds every token a hit could claim"
-    assert judge_.lookup_skipped(3) is None  # the model has seen nothing: every hit is taken
+    assert judge_.lookup_verdict(0).skipped == "the engine holds every token a hit could claim"
+    assert judge_.lookup_verdict(3).skipped is None  # the model has seen nothing: every hit is taken
     judge_.model = model(0.005, 1000.0, 1e-4)  # a load costs at least 5 ms; a token's prefill 0.1 ms
-    assert judge_.lookup_skipped(51) is None  # 5.1 ms of prefill could pay
-    skipped = [judge_.lookup_skipped(49) for _ in range(EXPLORE_EVERY)]
-    assert all(reason and reason.startswith("no hit could pay") for reason in skipped[:-1])
-    assert skipped[-1] is None  # looked up anyway: its hit keeps loads measured
-    assert HitJudge((1 << 20,), enabled=False).lookup_skipped(1) is None
+    assert judge_.lookup_verdict(51).skipped is None  # 5.1 ms of prefill could pay
+    for _ in range(2):  # the count starts again after each request looked up to explore
+        verdicts = [judge_.lookup_verdict(49) for _ in range(EXPLORE_EVERY)]
+        assert all(v.skipped.startswith("no hit could pay") and not v.explore for v in verdicts[:-1])
+        assert verdicts[-1].skipped is None and verdicts[-1].explore
+    assert HitJudge((1 << 20,), enabled=False).lookup_verdict(1).skipped is None
+
+
+def test_a_request_looked_up_to_explore_takes_its_hit_and_leaves_the_declined_count_alone():
+    from connector.profit import HitJudge
+    from connector.prefix import PromptKeys, plan_load
+    from connector.search import StoredPrefix
+
+    judge_ = HitJudge((BLOCK_BYTES,))
+    judge_.model = model(0.050, 1000.0, 1e-6)  # nothing pays
+    keys = PromptKeys.build(list(range(40)), 32, 1, "ns", b"root")
+    stored = StoredPrefix(32, 32, 32, frozenset({keys.block_ref(0).key}))
+    whole = plan_load(keys, stored, 0)
+    assert judge_(keys, stored, 0, whole).skipped == "unprofitable"
+    assert judge_(keys, stored, 0, whole, explore=True).detail == "explored"
+    assert judge_._declined == 1

@@ -11,15 +11,16 @@ from .scripted_store import InlineCalls, ScriptedStore
 from .test_scheduler import CONFIG, EMPTY_STEP, NS, PROMPT, allocate, lookup, publish, request
 
 
-def fed_consumer(store, *, load_s: float, prefill_s_per_token: float, block_bytes: int = 1 << 20):
-    """A consumer whose cost model has seen loads that wait ``load_s`` plus 1 ms per MB, and forward
-    passes of ``prefill_s_per_token`` a token, as the worker reports them with each step."""
+def fed_consumer(store, *, load_s: float, prefill_s_per_token: float, block_bytes: int = 1 << 20, **role):
+    """A consumer (or, with ``role``'s SchedulerSide flags, another engine) whose cost model has seen
+    loads that wait ``load_s`` plus 1 ms per MB, and forward passes of ``prefill_s_per_token`` a token,
+    as the worker reports them with each step."""
     from connector.data import KVToolWorkerMeta
 
-    calls = InlineCalls()
     side = SchedulerSide(
-        CONFIG, NS, store, loads_enabled=True, saves_enabled=False, lookup_calls=calls, block_bytes=(block_bytes,)
-    )
+        role.pop("config", CONFIG), NS, store, loads_enabled=True, lookup_calls=InlineCalls(),
+        block_bytes=(block_bytes,), **{"saves_enabled": False, **role},
+    )  # fmt: skip
     loads = [(n * block_bytes, n * block_bytes * 1e-9, load_s + n * block_bytes * 1e-9) for n in range(1, 7)]
     steps = [(t, 0.001 + t * prefill_s_per_token) for t in (1, 16, 64, 256, 1024)]
     side.record_worker_meta(KVToolWorkerMeta({}, loads, steps))
@@ -81,15 +82,9 @@ def test_a_prompt_the_engine_holds_but_its_last_token_is_never_looked_up():
 
 def test_an_engine_that_saves_looks_up_even_where_no_hit_could_pay():
     """Its lookup also tells its save what is stored already (kv_both)."""
-    from connector.data import KVToolWorkerMeta
-
     store = CountingStore()
     publish(store, PROMPT)
-    side = SchedulerSide(
-        CONFIG, NS, store, loads_enabled=True, saves_enabled=True, lookup_calls=InlineCalls(), block_bytes=(1 << 20,)
-    )
-    loads = [(n << 20, n * 1e-3, 0.050 + n * 1e-3) for n in range(1, 7)]
-    side.record_worker_meta(KVToolWorkerMeta({}, loads, [(t, 0.001 + t * 1e-5) for t in (1, 16, 64, 256, 1024)]))
+    side = fed_consumer(store, load_s=0.050, prefill_s_per_token=1e-5, saves_enabled=True)
     assert lookup(side, request(PROMPT + [1, 2, 3])) == (0, False)
     assert store.queries >= 1
 
@@ -137,3 +132,40 @@ def test_each_loaded_request_tells_the_cost_model_its_whole_delay_when_it_is_com
         )
         side.build_connector_meta(step)
     assert side._judge.model.delay.samples == 2
+
+
+def test_a_request_looked_up_to_explore_takes_its_hit_though_it_does_not_pay():
+    """One request in 16 that no hit could pay for is looked up anyway, and takes its hit: the loads
+    keep being measured, so a model that priced them too high once can learn otherwise."""
+    from connector.profit import EXPLORE_EVERY
+
+    store = CountingStore()
+    publish(store, PROMPT)
+    side = fed_consumer(store, load_s=0.050, prefill_s_per_token=1e-5)
+    for number in range(EXPLORE_EVERY - 1):
+        assert side.get_num_new_matched_tokens(request(PROMPT + [number], request_id=f"r{number}"), 0) == (0, False)
+    assert store.queries == 0
+    assert lookup(side, request(PROMPT + [99], request_id="explorer")) == (85, True)
+    assert side.take_stats()["loads_explored"] == 1
+
+
+def test_a_skipped_request_asked_again_with_more_to_gain_is_judged_again():
+    """Preempted, a request holds less locally: what was not worth a lookup for 2 tokens may be for 87."""
+    store = CountingStore()
+    publish(store, PROMPT)
+    side = fed_consumer(store, load_s=0.003, prefill_s_per_token=1e-4)  # a load: 3 ms; 30 tokens pay for it
+    req = request(PROMPT + [1, 2, 3])
+    assert side.get_num_new_matched_tokens(req, 85) == (0, False)  # 2 tokens to gain: not looked up
+    assert store.queries == 0
+    assert lookup(side, req, num_computed=0) == (85, True)  # preempted: 87 to gain, looked up and loaded
+
+
+def test_a_consumer_that_saves_its_answers_looks_up_even_where_no_hit_could_pay():
+    from connector.config import load_config
+
+    store = CountingStore()
+    publish(store, PROMPT)
+    config = load_config({"master_server_address": "127.0.0.1:1", "save_answers": True})
+    side = fed_consumer(store, load_s=0.050, prefill_s_per_token=1e-5, config=config, answers_enabled=True)
+    assert lookup(side, request(PROMPT + [1, 2, 3])) == (0, False)
+    assert store.queries >= 1
