@@ -59,6 +59,18 @@ class ScriptedStore:
         pass
 
 
+class CountingStore(ScriptedStore):
+    """Counts its existence queries (the round trips a lookup made)."""
+
+    def __init__(self):
+        super().__init__()
+        self.queries = 0
+
+    def exists(self, keys):
+        self.queries += 1
+        return super().exists(keys)
+
+
 class InlineCalls:
     """A stand-in for ``connector.calls.BoundedCalls`` that runs each call at once, on the caller's
     thread: the background job has answered by the time ``submit`` returns."""

@@ -10,7 +10,7 @@ from connector.lookups import LookupBatcher
 from connector.prefix import PromptKeys, plan_save
 from connector.search import find_stored_prefix
 
-from .scripted_store import InlineCalls, ScriptedStore
+from .scripted_store import CountingStore, InlineCalls, ScriptedStore
 
 ROOT = RequestIdentity().root_hash()
 
@@ -25,16 +25,6 @@ class Clock:
 
     def __call__(self):
         return self.now
-
-
-class CountingStore(ScriptedStore):
-    def __init__(self):
-        super().__init__()
-        self.queries = 0
-
-    def exists(self, keys):
-        self.queries += 1
-        return super().exists(keys)
 
 
 def publish(store, tokens):

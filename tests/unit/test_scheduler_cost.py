@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 from connector.scheduler import SchedulerSide
 
-from .scripted_store import InlineCalls, ScriptedStore
+from .scripted_store import CountingStore, InlineCalls, ScriptedStore
 from .test_scheduler import CONFIG, EMPTY_STEP, NS, PROMPT, allocate, lookup, publish, request
 
 
@@ -39,16 +39,6 @@ def test_a_hit_that_costs_more_to_load_than_to_compute_is_not_taken_and_says_why
     assert details["lookup"] == "miss" and details["external_hit_tokens"] == 0
     assert details["load_skipped"].startswith("unprofitable: a load of")
     assert side.take_stats()["loads_unprofitable"] == 1
-
-
-class CountingStore(ScriptedStore):
-    def __init__(self):
-        super().__init__()
-        self.queries = 0
-
-    def exists(self, keys):
-        self.queries += 1
-        return super().exists(keys)
 
 
 def test_no_lookup_is_made_when_no_hit_could_pay_and_the_request_says_why():
