@@ -27,6 +27,14 @@ def fed_consumer(store, *, load_s: float, prefill_s_per_token: float, block_byte
     return side
 
 
+def unfed_consumer(store, block_bytes: int = 1 << 20) -> SchedulerSide:
+    """A consumer whose cost model has seen nothing yet."""
+    return SchedulerSide(
+        CONFIG, NS, store, loads_enabled=True, saves_enabled=False, lookup_calls=InlineCalls(),
+        block_bytes=(block_bytes,),
+    )  # fmt: skip
+
+
 def test_a_hit_that_costs_more_to_load_than_to_compute_is_not_taken_and_says_why():
     store = ScriptedStore()
     publish(store, PROMPT)
@@ -61,9 +69,7 @@ def test_no_lookup_is_made_when_no_hit_could_pay_and_the_request_says_why():
 def test_a_prompt_the_engine_holds_but_its_last_token_is_never_looked_up():
     store = CountingStore()
     publish(store, PROMPT)
-    side = SchedulerSide(
-        CONFIG, NS, store, loads_enabled=True, saves_enabled=False, lookup_calls=InlineCalls(), block_bytes=(1 << 20,)
-    )  # the cost model knows nothing yet: every hit would be taken
+    side = unfed_consumer(store)  # the cost model knows nothing yet: every hit would be taken
     req = request(PROMPT[:65])
     assert side.get_num_new_matched_tokens(req, 64) == (0, False)
     assert store.queries == 0
@@ -96,9 +102,7 @@ def test_a_partial_block_that_does_not_pay_is_dropped_and_the_full_blocks_are_lo
 def test_without_measurements_every_hit_is_taken():
     store = ScriptedStore()
     publish(store, PROMPT)
-    side = SchedulerSide(
-        CONFIG, NS, store, loads_enabled=True, saves_enabled=False, lookup_calls=InlineCalls(), block_bytes=(1 << 30,)
-    )
+    side = unfed_consumer(store, block_bytes=1 << 30)
     assert lookup(side, request(PROMPT + [1, 2, 3])) == (85, True)
 
 
