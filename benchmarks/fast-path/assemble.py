@@ -8,6 +8,7 @@ has measured yet is null with the reason, never a guess.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -176,6 +177,7 @@ def interleaved_fields(docs: list[dict[str, Any] | None]) -> dict[str, Any]:
     source = "../compare-peers/interleaved/kvtool-vs-*.json (command.sh there: --compare kvtool,PEER --interleave)"
     overall: dict[str, dict[str, Any]] = {}
     by_workload: dict[str, dict[str, dict[str, Any]]] = {}
+    engine_by_workload: dict[str, dict[str, dict[str, Any]]] = {}
     efficiency: dict[str, dict[str, Any]] = {}
     for doc in docs:
         runs = pooled([doc])
@@ -185,6 +187,10 @@ def interleaved_fields(docs: list[dict[str, Any] | None]) -> dict[str, Any]:
         by_workload[peer] = {
             workload: {name: runs[name]["workloads"].get(workload) for name in ("kvtool", peer)}
             for workload in runs["kvtool"]["workloads"]
+        }
+        engine_by_workload[peer] = {
+            workload: {name: runs[name]["engine_workloads"].get(workload) for name in ("kvtool", peer)}
+            for workload in runs["kvtool"]["engine_workloads"]
         }
         efficiency[peer] = {
             name: {
@@ -207,12 +213,23 @@ def interleaved_fields(docs: list[dict[str, Any] | None]) -> dict[str, Any]:
             by_workload, "kvtool no higher than each peer on every workload, in the same interleaved run",
             all(no_higher(pair, peer) for peer, rows in by_workload.items() for pair in rows.values()), source,
         ),
+        "interleaved_consumer_engine_ttft_ms_p50_by_workload": field(
+            engine_by_workload, "none (the consumer's vLLM's own TTFT, without HTTP: beside the goal above)", None,
+            source, higher_cells(engine_by_workload, no_higher),
+        ),
         "interleaved_efficiency_and_mismatches": field(
             efficiency, "kvtool >= 0.99 (hits taken over the ideal) and 0 mismatches in every run",
             all(e["kvtool"]["efficiency"] >= 0.99 and e["kvtool"]["mismatches"] == 0 for e in efficiency.values()),
             source, "found_efficiency: the hits and what the cost model declined as costing more than they save",
         ),
     }  # fmt: skip
+
+
+def higher_cells(table: dict[str, dict[str, dict[str, Any]]], no_higher: Callable[[dict[str, Any], str], bool]) -> str:
+    """Where kvtool's value is above the peer's in a per-peer, per-workload table, said in one line."""
+    cells = [f"{workload} against {peer}" for peer, rows in table.items() for workload, pair in rows.items()
+             if not no_higher(pair, peer)]  # fmt: skip
+    return "kvtool's higher on: " + "; ".join(cells) if cells else "kvtool's no higher on any workload of any run"
 
 
 def capacity_fields(capacity: dict[str, Any] | None) -> dict[str, Any]:
