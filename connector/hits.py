@@ -8,7 +8,7 @@ vLLM request id and the client's ``kvtool_tag``, one JSON line per request. ``kv
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 from .ranks import keys_on_every_rank
@@ -64,7 +64,9 @@ class HitDetails:
         return keys_on_every_rank(key, self.tp_namespaces or (self.namespace,))
 
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
+        # Field by field, not ``asdict``: its deep copy cost every finishing request 50 us of the engine's
+        # thread, and every value here is immutable or made for this object (the timeline's dict).
+        data = {item.name: getattr(self, item.name) for item in _FIELDS}
         data["tp_namespaces"] = list(self.tp_namespaces)
         if self.request_id is None and self.tag is None:
             del data["request_id"], data["tag"]
@@ -75,7 +77,7 @@ class HitDetails:
         """Parse a response's or a request log's details; fields of a newer connector are ignored.
 
         Raises ValueError when a required field is missing."""
-        known = {f.name for f in fields(cls)}
+        known = {item.name for item in _FIELDS}
         try:
             return cls(**{name: value for name, value in data.items() if name in known})
         except TypeError as exc:
@@ -87,3 +89,6 @@ class HitDetails:
         params = response.get("kv_transfer_params") or {}
         details = params.get("kvtool")
         return cls.from_dict(details) if isinstance(details, dict) else None
+
+
+_FIELDS = fields(HitDetails)

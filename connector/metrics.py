@@ -24,6 +24,7 @@ COUNTERS: dict[str, str] = {
     "pointer_reads_failed": "lookups whose pointer reads failed: served without the hits that needed them",
     "requests_unhashable": "requests whose token ids the key schema cannot encode: never looked up or saved",
     "session_chunks_rekeyed": "streaming-input sessions whose next chunk changed their keys",
+    "request_log_dropped": "request log lines dropped: its writer fell more than 10,000 lines behind (a slow disk)",
     # loads: the cost model's verdicts (scheduler side), then the worker's loads
     "loads_<verdict>": "hits not taken as found: unprofitable (nothing loaded) or trimmed (the partial block dropped)",
     "loads_explored": "hits the cost model declined but took anyway, so that loads keep being measured",

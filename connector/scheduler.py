@@ -22,7 +22,8 @@ from .ranks import on_every_rank, rank_components
 from .search import find_saved_objects, find_stored_prefixes
 from .store import KVStore, StoreError
 from .saveplans import add_state_saves, last_put_key, save_transfer, state_transfers
-from .tracking import KeySpace, RequestLog, TrackedRequest
+from .requestlog import RequestLog
+from .tracking import KeySpace, TrackedRequest
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -92,7 +93,7 @@ class SchedulerSide:
             if store is not None
             else None
         )
-        self.request_log = RequestLog(config.request_log) if config.request_log else None
+        self.request_log = RequestLog(config.request_log, self.stats) if config.request_log else None
         self._step_wait_left = SYNC_LOOKUP_BUDGET_S
         self._step = 0  # scheduler steps built so far (the request timelines count in them)
         self._last_build_s = 0.0

@@ -12,12 +12,10 @@ id outside the key schema's uint32) is neither looked up nor saved: a miss, coun
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING
 
 from .data import prompt_watermark_id
 from .groups import CacheGroup
@@ -180,53 +178,3 @@ class TrackedRequest:
             timeline=tracked.timeline.to_dict() if tracked.timeline is not None else None,
             tp_namespaces=tp_namespaces if len(tp_namespaces) > 1 else (),
         )
-
-
-class RequestLog:
-    """Appends one JSON line per finished request: its hit details, its vLLM request id, and the
-    ``kvtool_tag`` the client put in the request's ``kv_transfer_params`` (streamed responses carry
-    no ``kv_transfer_params``, so a client attributes hits through this file).
-
-    The file stays open between lines (opening it for each cost a finishing request 0.1 ms of the
-    engine's thread); it is opened again when the path no longer names it (rotated or removed)."""
-
-    def __init__(self, path: str):
-        self._path = path
-        self._failed = False
-        self._file: TextIO | None = None
-
-    def write(self, request: Request, details: dict[str, Any]) -> None:
-        """One line: ``details`` (``HitDetails.to_dict()``) with the request's id and tag."""
-        if self._failed:
-            return
-        params = getattr(request, "kv_transfer_params", None) or {}
-        record = {**details, "request_id": request.request_id, "tag": params.get("kvtool_tag")}
-        try:
-            log = self._open()
-            log.write(json.dumps(record, separators=(",", ":")) + "\n")
-            log.flush()
-        except OSError as exc:
-            self._failed = True
-            self.close()
-            logger.warning("kvtool: cannot write the request log %s (%s); no longer writing it", self._path, exc)
-
-    def _open(self) -> TextIO:
-        log = self._file
-        if log is not None:
-            try:
-                named, held = os.stat(self._path), os.fstat(log.fileno())
-                if (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino):
-                    return log
-            except FileNotFoundError:
-                pass
-            self.close()
-        log = self._file = open(self._path, "a", encoding="utf-8")  # noqa: SIM115 - kept open between lines
-        return log
-
-    def close(self) -> None:
-        log, self._file = self._file, None
-        if log is not None:
-            try:
-                log.close()
-            except OSError:
-                pass

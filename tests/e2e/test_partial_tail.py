@@ -3,14 +3,11 @@ and reused KV gives the same answer as recomputing it."""
 
 from __future__ import annotations
 
-
 import httpx
 import pytest
 
 from kvtool import prometheus
 from kvtool.client import complete
-
-from connector.hits import HitDetails
 
 from .pairtools import consume, produce, prompt
 
@@ -52,12 +49,16 @@ def test_a_prompt_never_published_misses(pair):
 
 
 def test_streamed_requests_are_attributed_through_the_request_log(pair):
-    import json
     from pathlib import Path
+
+    from kvtool.bench.runner import RequestLogReader
 
     base = prompt(6, 40)
     produce(pair, base)
     tag = "stream-attribution-1"
+    # The log's lines are written off the engine's thread, a moment after the response: read as the
+    # bench does, waiting for the tag (from the file's end now: a line written before is not this one).
+    reader = RequestLogReader(Path(pair["request_logs"]["consumer"]))
     streamed = complete(
         pair["consumer"],
         pair["model"],
@@ -67,10 +68,10 @@ def test_streamed_requests_are_attributed_through_the_request_log(pair):
         kv_transfer_params={"kvtool_tag": tag},
     )
     assert streamed["usage"]["prompt_tokens_details"]["cached_tokens"] == 40
-    lines = Path(pair["request_logs"]["consumer"]).read_text().splitlines()
-    records = [HitDetails.from_dict(json.loads(line)) for line in lines if tag in line]
-    assert len(records) == 1
-    assert (records[0].external_hit_tokens, records[0].block_hit_tokens, records[0].tail_hit_tokens) == (
+    record = reader.record(tag)
+    assert record is not None, "no request log line carries the tag"
+    assert reader.record(tag, timeout_s=0) is None  # one line only
+    assert (record.external_hit_tokens, record.block_hit_tokens, record.tail_hit_tokens) == (
         40,
         32,
         8,
