@@ -101,6 +101,7 @@ class KVToolConnector(KVConnectorBase_V1, SupportsHMA):
                 self.config,
                 saves_enabled=saves_enabled or answers_enabled,
                 breaker=self._breaker,
+                defer_copies=_v1_model_runner(vllm_config),
             )
 
     def _open_store(self, role: KVConnectorRole) -> InstrumentedStore | None:
@@ -270,6 +271,15 @@ class KVToolConnector(KVConnectorBase_V1, SupportsHMA):
         if self._store is not None:
             self._store.close()
             self._store = None
+
+
+def _v1_model_runner(vllm_config: VllmConfig) -> bool:
+    """Whether the engine runs vLLM's V1 model runner, whose per-step hook comes before anything writes a
+    block (``stepcopies``); unknown counts as no."""
+    try:
+        return vllm_config.use_v2_model_runner is False
+    except Exception:  # noqa: BLE001 - a config vLLM cannot settle here: copy on the engine's thread
+        return False
 
 
 def _breaker_policy(config: KVToolConfig) -> BreakerPolicy:

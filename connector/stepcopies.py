@@ -12,7 +12,10 @@ for them: an idle engine answers sooner, a busy one waits at the next step for w
 waited for at the end of this one.
 
 Until the hook has been seen once (another vLLM version might not call it), copies are made on the
-engine's thread as before: never a copy that a later step could race.
+engine's thread as before: never a copy that a later step could race. Nor under vLLM's V2 model runner
+(``deferrable=False``; vLLM picks it wherever Triton runs, triton-cpu included): it calls the hook inside
+``pre_forward``, after ``update_requests`` has zeroed newly allocated blocks and applied copy-on-write
+block copies, so a block freed in one step could be written in the next before its copy read it.
 """
 
 from __future__ import annotations
@@ -25,16 +28,17 @@ logger = logging.getLogger("vllm.kvtool")
 
 
 class StepCopies:
-    def __init__(self) -> None:
+    def __init__(self, deferrable: bool = True) -> None:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: concurrent.futures.Future[None] | None = None
         self.hooked = False  # the engine called ``settle`` at a step's start: copies may be deferred
+        self._deferrable = deferrable  # the hook comes before anything writes a block (vLLM's V1 runner)
         self._closed = False
 
     def run(self, copies: Callable[[], None]) -> bool:
         """Make the step's copies: on the copy thread when the next step's hook will wait for them,
         else now. Call from the engine's thread. Returns whether they were deferred."""
-        if not self.hooked or self._closed:
+        if not self.hooked or not self._deferrable or self._closed:
             copies()
             return False
         self.settle()  # one step's copies at a time

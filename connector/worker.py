@@ -57,6 +57,7 @@ class WorkerSide:
         saves_enabled: bool,
         load_calls: BoundedCalls | None = None,
         breaker: CircuitBreaker | None = None,
+        defer_copies: bool = True,
     ):
         self._namespace = namespace
         self._breaker = breaker  # open: the store is failing, saves are not copied
@@ -87,7 +88,8 @@ class WorkerSide:
         self._saver: Saver | None = None
         # On a device (CUDA): the copy streams of saves and loads (``devicecopy``); None on the CPU.
         self._save_stream: CopyStream | None = None
-        self._step_copies = StepCopies()  # host copies of a step's saves, finished before the next step
+        # Host copies of a step's saves, finished before the next step (not deferred under vLLM's V2 runner).
+        self._step_copies = StepCopies(deferrable=defer_copies)
         self._load_stream: CopyStream | None = None
 
     # -- set-up -------------------------------------------------------------------------------------

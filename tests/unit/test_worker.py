@@ -3,6 +3,8 @@ load, and watermarks that never run ahead of stored data."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -270,3 +272,35 @@ def test_without_the_per_step_hook_copies_stay_on_the_engine_thread():
     copies.run(lambda: 1 / 0)  # a failing copy is logged, never raised into the engine
     copies.settle()
     copies.shutdown()
+
+
+def test_under_vllms_v2_model_runner_copies_stay_on_the_engine_thread():
+    """The V2 runner calls the per-step hook after it has zeroed new blocks and applied copy-on-write
+    copies: a copy deferred to that hook could read a block already written. No deferral there."""
+    import threading
+
+    from connector.connector import _v1_model_runner
+    from connector.stepcopies import StepCopies
+
+    copies, ran = StepCopies(deferrable=False), []
+    copies.settle()  # the hook seen
+    assert copies.run(lambda: ran.append(threading.current_thread().name)) is False
+    assert ran == [threading.current_thread().name]
+    copies.shutdown()
+    assert _v1_model_runner(SimpleNamespace(use_v2_model_runner=False)) is True
+    assert _v1_model_runner(SimpleNamespace(use_v2_model_runner=True)) is False
+
+    class Unsettled:
+        @property
+        def use_v2_model_runner(self):
+            raise ValueError("HiSparse requires Model Runner V2")
+
+    assert _v1_model_runner(Unsettled()) is False  # unknown: never deferred
+
+    store, source = ScriptedStore(), kv_caches("random")
+    side = WorkerSide(NS, store, CONFIG, saves_enabled=True, load_calls=InlineCalls(), defer_copies=False)
+    side.register_kv_caches(source, [LAYERS], NUM_BLOCKS)
+    side.before_step()
+    side.wait_for_save(KVToolMetadata(saves=[RequestSave("req-1", transfers((3, 5, 1)), prompt_tokens=len(PROMPT))]))
+    assert side.take_stats().get("saves_copied_off_step", 0) == 0
+    side.shutdown()
