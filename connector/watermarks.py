@@ -4,9 +4,12 @@ Per cache group, the block offset is the end of the longest run of full blocks, 
 first saved block (token 0, or for a sliding-window group the first block it still held), each of
 which was already stored or whose put succeeded. The tail is tracked apart: it is durable only when
 its own put succeeded (or it was already stored) *and* every full block before it is durable. A
-group's offset is its tail boundary when the tail is durable and its block offset otherwise (a state
-group's: the end of its durable state). The durable offset is the smallest over the groups, so a
-failed tail put stays a miss and never moves it. A watermark never runs ahead of loadable data.
+group's offset is its tail boundary when the tail is durable and its block offset otherwise. The
+durable offset is the smallest over the attention groups, so a failed tail put stays a miss and never
+moves it. A state group (Mamba) serves a hit only where a state is stored at exactly its end: with
+state groups, the durable offset is the furthest end, no further than every attention group's offset,
+at which each state group has a durable state in the save (0 where there is none). A watermark never
+runs ahead of loadable data.
 
 Records are published as immutable objects (seq 0 when the save starts, seq 1 when it ends), small
 UTF-8 JSON documents that ``kvtool inspect watermarks`` reads.
@@ -86,8 +89,7 @@ def watermark(
 ) -> WatermarkRecord:
     """The watermark of a save whose objects (per group: full blocks in order, then at most one tail,
     or a state) stand as given."""
-    groups = sorted({obj.group for obj in objects})
-    durable_offset = min((_group_offset([o for o in objects if o.group == g]) for g in groups), default=0)
+    durable_offset = _durable_offset(objects)
     tails = [obj for obj in objects if obj.kind is KeyKind.TAIL]
     tail = tails[0] if tails else None
     tail_durable = tail is not None and durable_offset == tail.token_end
@@ -115,11 +117,25 @@ def watermark(
     )
 
 
+def _durable_offset(objects: list[ObjectProgress]) -> int:
+    """How far every group's objects are durable together (see the module's docstring)."""
+    attention: list[int] = []
+    states: list[set[int]] = []  # per state group: the ends of its durable states
+    for group in sorted({obj.group for obj in objects}):
+        members = [obj for obj in objects if obj.group == group]
+        if any(obj.kind is KeyKind.STATE for obj in members):
+            states.append({obj.token_end for obj in members if obj.kind is KeyKind.STATE and obj.durable})
+        else:
+            attention.append(_group_offset(members))
+    reach = min(attention, default=None)
+    if not states:
+        return reach or 0
+    ends = set.intersection(*states)
+    return max((end for end in ends if reach is None or end <= reach), default=0)
+
+
 def _group_offset(objects: list[ObjectProgress]) -> int:
-    """How far one group's objects are durable (see the module's docstring)."""
-    states = [obj.token_end for obj in objects if obj.kind is KeyKind.STATE and obj.durable]
-    if any(obj.kind is KeyKind.STATE for obj in objects):
-        return max(states, default=0)
+    """How far one attention group's objects are durable (see the module's docstring)."""
     blocks = sorted((obj for obj in objects if obj.kind is KeyKind.BLOCK), key=lambda obj: obj.token_start)
     tail = next((obj for obj in objects if obj.kind is KeyKind.TAIL), None)
     offset = blocks[0].token_start if blocks else (tail.token_start if tail is not None else 0)

@@ -198,3 +198,27 @@ def test_a_watermark_is_the_smallest_durable_offset_over_the_groups():
     assert watermark("r", None, 85, stored, 0.0).durable_offset == 85
     with_state = [*stored, progress(KeyKind.STATE, 0, 85, "failed", 2)]
     assert watermark("r", None, 85, with_state, 0.0).durable_offset == 0
+    stated = [*stored, progress(KeyKind.STATE, 0, 85, "stored", 2)]
+    assert watermark("r", None, 85, stated, 0.0).durable_offset == 85
+
+
+def test_a_hybrid_watermark_stops_only_where_every_state_group_has_a_state():
+    """A state group serves a hit only at a stored state's exact end: where the tail failed, the
+    attention groups are durable to 64, but with no state at 64 in the save nothing is (not 64)."""
+
+    def progress(kind, start, end, outcome, group):
+        return ObjectProgress(kind, start, end, outcome, group)
+
+    blocks = [progress(KeyKind.BLOCK, 0, 32, "stored", 0), progress(KeyKind.BLOCK, 32, 64, "stored", 0)]
+    tail_failed = [*blocks, progress(KeyKind.TAIL, 64, 85, "no_space", 0)]
+    state_85 = progress(KeyKind.STATE, 0, 85, "stored", 1)
+    assert watermark("r", None, 85, [*tail_failed, state_85], 0.0).durable_offset == 0
+    state_64 = progress(KeyKind.STATE, 0, 64, "present", 1)
+    assert watermark("r", None, 85, [*tail_failed, state_64, state_85], 0.0).durable_offset == 64
+    # Two state groups: the furthest end both hold.
+    other_64 = progress(KeyKind.STATE, 0, 64, "stored", 2)
+    whole = [*blocks, progress(KeyKind.TAIL, 64, 85, "stored", 0), state_64, state_85, other_64]
+    assert watermark("r", None, 85, whole, 0.0).durable_offset == 64
+    assert watermark("r", None, 85, [*whole, progress(KeyKind.STATE, 0, 85, "stored", 2)], 0.0).durable_offset == 85
+    # States only (no attention group): the furthest state every state group holds.
+    assert watermark("r", None, 85, [state_64, state_85], 0.0).durable_offset == 85
