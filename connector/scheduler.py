@@ -229,7 +229,7 @@ class SchedulerSide:
         end_block = (plan.local_tokens + num_external_tokens - 1) // self._block_size
         if num_external_tokens != plan.external_tokens and any(g.kind is not GroupKind.FULL for g in self._groups):
             self._warn_once("grant", "kvtool: the scheduler granted part of a hybrid model's hit; recomputing")
-            self._pending_loads.append(RequestLoad(request.request_id, (), failure="partial grant of a hybrid hit"))
+            self._send_load(tracked, RequestLoad(request.request_id, (), failure="partial grant of a hybrid hit"))
             return
         transfers = []
         for obj in plan.objects:
@@ -242,12 +242,16 @@ class SchedulerSide:
                     continue  # a block the window left: vLLM does not attend it, nothing to fill
                 # Any other group must get its block, or vLLM would compute on bytes nobody filled.
                 self._warn_once("no-block", "kvtool: vLLM gave a hit no block for a group's object; recomputing")
-                self._pending_loads.append(RequestLoad(request.request_id, (), failure="no block for an object"))
+                self._send_load(tracked, RequestLoad(request.request_id, (), failure="no block for an object"))
                 return
             transfers.append(
                 BlockTransfer(block_id, obj.kind, obj.token_start, obj.token_end, obj.chain_hash, obj.group)
             )
-        self._pending_loads.append(RequestLoad(request.request_id, tuple(transfers)))
+        self._send_load(tracked, RequestLoad(request.request_id, tuple(transfers)))
+
+    def _send_load(self, tracked: TrackedRequest, load: RequestLoad) -> None:
+        """A load (a failing one too): until it is reported, the blocks hold nothing computed (no answer save)."""
+        self._pending_loads.append(load)
         tracked.loading = True
 
     # -- metadata -----------------------------------------------------------------------------------

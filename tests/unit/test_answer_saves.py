@@ -179,6 +179,25 @@ def test_a_request_that_ends_while_its_load_still_fills_its_blocks_saves_nothing
     assert side.take_stats()["answer_saves_skipped_loading"] == 1
 
 
+def test_a_request_that_ends_before_its_failing_load_is_reported_saves_nothing():
+    """The load sent for a hit is one that fails on purpose (vLLM gave an object no block): vLLM still
+    holds the blocks until the worker reports it, and they hold nothing the request computed."""
+    from types import SimpleNamespace
+
+    store = ScriptedStore()
+    publish(store, PROMPT)
+    side = engine(store)
+    req = decoded(PROMPT, ANSWER)
+    req.num_computed_tokens = 84
+    assert lookup(side, req) == (84, True)
+    side.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([10],)), 84)  # blocks 1-2 missing
+    (load,) = side.build_connector_meta(step()).loads
+    assert load.failure == "no block for an object"
+    assert side.request_finished(req, ([10],))[0] is False  # ended (an abort) before the worker reported it
+    assert side.build_connector_meta(step()).saves == []
+    assert side.take_stats()["answer_saves_skipped_loading"] == 1
+
+
 def test_an_answer_save_never_names_tokens_still_in_flight():
     """Speculative drafts and async-scheduled steps are counted in num_computed_tokens before they are
     accepted (num_in_flight_tokens): the answer save names only the tokens whose KV is final."""
