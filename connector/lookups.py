@@ -154,5 +154,7 @@ class LookupBatcher:
             outcomes = [StoreError(f"lookup failed: {exc}")] * len(job.req_ids)
         for req_id, outcome in zip(job.req_ids, outcomes, strict=True):
             pending = self._requests.get(req_id)
-            if pending is not None and pending.outcome is None:
+            # Only the lookup this job was sent for: one forgotten meanwhile and asked again under the same
+            # id (another prompt, where vLLM's request ids are not randomized) waits for a job of its own.
+            if pending is not None and pending.outcome is None and pending.job is job.future:
                 pending.outcome = outcome

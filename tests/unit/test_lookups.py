@@ -96,3 +96,31 @@ def test_a_forgotten_request_is_asked_afresh():
     batcher.want("a", keys(range(50)))
     batcher.flush()
     assert batcher.poll("a").tokens == 50
+
+
+def test_an_answer_goes_only_to_the_lookup_its_job_was_sent_for():
+    """Forgotten while its job is out (an abort), then asked again under the same id for another prompt
+    (vLLM's request ids not randomized): the old job's answer, for the old prompt, is not the new one's."""
+    release = threading.Event()
+    store = ScriptedStore()
+    publish(store, list(range(50)))
+    calls = BoundedCalls("test-lookup", limit=1)
+
+    def gated_exists(query):
+        release.wait(timeout=30)
+        return store.exists(query)
+
+    batcher = LookupBatcher(gated_exists, 30.0, calls=calls)
+    try:
+        batcher.want("a", keys(range(50)))
+        batcher.flush()
+        batcher.forget("a")
+        batcher.want("a", keys(range(1000, 1050)))  # another prompt, nothing of it stored
+        release.set()
+        assert batcher.settle(30.0) >= 0
+        assert batcher.poll("a") is None  # the old job's answer was not taken for it
+        batcher.settle(30.0)  # its own job
+        assert batcher.poll("a").tokens == 0
+    finally:
+        release.set()
+        calls.shutdown()
