@@ -197,7 +197,16 @@ class Loader:
         store, area = self._store, self.area
         while self._queue and store is not None and area is not None:
             entry = self._queue[0]
-            lease = self._lease(area, len(entry.load.transfers))
+            try:
+                lease = self._lease(area, len(entry.load.transfers))
+            except (RuntimeError, MemoryError) as exc:  # the host could not give a buffer that large: a miss
+                entry.failure, lease = (
+                    LoadFailure("no_memory", f"no buffer for a load larger than the area: {exc}"),
+                    None,
+                )
+                self._queue.popleft()
+                entry.deadline = self._clock() + self._timeout_s
+                continue
             if lease is None:
                 return
             try:
@@ -221,7 +230,11 @@ class Loader:
         size = count * area.slot_bytes  # larger than the whole area, and nothing else in flight
         with self._lock:
             self._oversize_held += size
-        return area.take_oversize(count, lambda: self._oversize_done(size))
+        try:
+            return area.take_oversize(count, lambda: self._oversize_done(size))
+        except BaseException:
+            self._oversize_done(size)
+            raise
 
     def _oversize_done(self, size: int) -> None:
         with self._lock:

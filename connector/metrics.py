@@ -36,7 +36,7 @@ COUNTERS: dict[str, str] = {
     "state_objects_loaded": "state objects (a Mamba group's state) copied into the KV cache",
     "bytes_loaded": "payload bytes copied into the KV cache",
     "load_failures_<cause>": "loads that failed, by cause (store_error, missing, timeout, no_turn, checksum, "
-    "namespace, hash, mismatch, truncated, version, foreign, corrupt, unloadable, no_store): recomputed",
+    "namespace, hash, mismatch, truncated, version, foreign, corrupt, unloadable, no_store, no_memory): recomputed",
     # saves (worker side)
     "saves_<outcome>": "save objects by outcome (stored, present, no_space, failed, dropped_shutdown)",
     "saves_dropped_budget": "saves with no room in the save area at all: nothing copied",

@@ -141,6 +141,28 @@ def test_one_load_larger_than_the_area_still_runs_alone(monkeypatch):
         calls.shutdown()
 
 
+def test_a_load_larger_than_the_area_whose_buffer_the_host_cannot_give_is_a_miss(monkeypatch):
+    """The buffer of its own is allocated on the engine's thread: a failed allocation fails the load
+    (recomputed), never the engine; the next load runs."""
+    accept_any(monkeypatch)
+    store = GatedStore()
+    store.gate.set()
+    instance, calls, written = loader(store, slots=1)
+
+    def no_memory(count, given_back=None):
+        raise RuntimeError("CUDA error: out of memory (cudaHostAlloc)")
+
+    monkeypatch.setattr(instance.area, "take_oversize", no_memory)
+    try:
+        instance.start(load("big", 5))  # does not raise
+        instance.start(load("next", first_block=10))
+        received, failed = finish_all(instance, {"big", "next"})
+        assert failed["big"][1].cause == "no_memory" and "next" not in failed
+        assert written == [(10, b"k10")] and instance.held_bytes == 0
+    finally:
+        calls.shutdown()
+
+
 def test_a_hung_store_fails_started_and_waiting_loads_after_the_time_out_and_holds_their_bytes(monkeypatch):
     accept_any(monkeypatch)
     store, clock = GatedStore(), Clock()
