@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from .counters import Counters
 
-from .data import RequestSave
+from .data import RequestSave, StoredObject
 from .groups import NULL_BLOCK_ID
 from .prefix import plan_save
 from .saveplans import last_put_key, save_transfer
@@ -50,11 +50,16 @@ def plan_answer_save(
     keys = space.keys(tokens, tracked.keys.root)
     stored = tracked.stored.present if tracked.stored is not None and tracked.load_failure is None else frozenset()
     known = stored | tracked.saved_keys
-    usable = []
+    usable, found = [], []
     for ref in plan_save(keys):
         ids = block_ids[ref.group] if ref.group < len(block_ids) else []
-        if ref.key in known or ref.block_index >= len(ids) or ids[ref.block_index] == NULL_BLOCK_ID:
-            continue  # stored already, or a block a sliding window gave up
+        if ref.key in known:
+            # Stored already, or planned by the prompt's save: its record names it, and the put thread
+            # asks whether it is stored now (a put that failed or an eviction stops the watermark there).
+            found.append(StoredObject(ref.kind, ref.token_start, ref.token_end, ref.group, ref.chain_hash))
+            continue
+        if ref.block_index >= len(ids) or ids[ref.block_index] == NULL_BLOCK_ID:
+            continue  # a block a sliding window gave up
         usable.append((ref, ids[ref.block_index]))
     if not usable:
         return None
@@ -63,4 +68,6 @@ def plan_answer_save(
     tracked.answer_last_key = last_put_key(keys, [ref for ref, _ in usable])
     stats.add("answer_saves")
     params = getattr(request, "kv_transfer_params", None) or {}
-    return RequestSave(request.request_id, transfers, prompt_tokens=computed, tag=params.get("kvtool_tag"), answer=True)
+    return RequestSave(
+        request.request_id, transfers, tuple(found), prompt_tokens=computed, tag=params.get("kvtool_tag"), answer=True
+    )

@@ -42,6 +42,9 @@ class StoredObject:
     token_start: int
     token_end: int
     group: int = 0
+    # Its prefix hash: the put thread asks again whether it is stored (a lookup's answer may be seconds
+    # old, and the object evicted since), so the watermark never counts an object that is gone.
+    chain_hash: bytes = b""
 
 
 @dataclass(frozen=True)

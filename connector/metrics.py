@@ -38,7 +38,8 @@ COUNTERS: dict[str, str] = {
     "load_failures_<cause>": "loads that failed, by cause (store_error, missing, timeout, no_turn, checksum, "
     "namespace, hash, mismatch, truncated, version, foreign, corrupt, unloadable, no_store, no_memory): recomputed",
     # saves (worker side)
-    "saves_<outcome>": "save objects by outcome (stored, present, no_space, failed, dropped_shutdown)",
+    "saves_<outcome>": "save objects by outcome (stored, present, no_space, failed, dropped_shutdown; gone or "
+    "unchecked: found stored by the lookup, absent or not answered when the save ran)",
     "saves_dropped_budget": "saves with no room in the save area at all: nothing copied",
     "save_objects_dropped_budget": "objects of saves that found the save area too full for them",
     "saves_skipped_breaker": "saves not copied because the store's breaker was open",

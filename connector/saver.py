@@ -67,6 +67,7 @@ class SaveJob:
         watermark_key: Callable[[int], str],
         lease: Lease,
         copied: Fence | None = None,
+        stored_keys: tuple[str | None, ...] = (),
     ):
         self.save = save
         # On a device the copies were queued on a stream: the put thread waits for them (``devicecopy``).
@@ -90,6 +91,8 @@ class SaveJob:
         position = {old: new for new, old in enumerate(order)}
         self.objects = [self.objects[i] for i in order]
         self._index = [position[i] for i in self._index]
+        # The objects found stored before (``already_stored``), asked about again: (position, key).
+        self.rechecked = [(position[i], key) for i, key in enumerate(stored_keys) if key is not None]
 
     @property
     def nbytes(self) -> int:
@@ -174,7 +177,9 @@ class Saver:
         try:
             self._put_record(job, SEQ_PENDING)
             copies = job.in_put_order()
-            present = self._present([c.key for c in copies])
+            answers = self._present([c.key for c in copies] + [key for _, key in job.rechecked])
+            present = answers[: len(copies)] if answers is not None else [False] * len(copies)
+            self._recheck(job, answers[len(copies) :] if answers is not None else None)
             stopping = self._stopping()
             sent = [c for c, found in zip(copies, present, strict=True) if not found and not stopping]
             outcomes = dict(zip((c.key for c in sent), self._put_batch(sent, job.lease), strict=True))
@@ -232,11 +237,22 @@ class Saver:
             outcome = PutOutcome.FAILED
         self.stats.add(f"pointers_{outcome.value}", len(pointers))
 
-    def _present(self, keys: list[str]) -> list[bool]:
+    def _present(self, keys: list[str]) -> list[bool] | None:
+        """Which keys are stored; None when the store did not answer (a put of a present key is a no-op)."""
         try:
             return self._store.exists(keys) if keys else []
         except StoreError:
-            return [False] * len(keys)  # a put of a present key is a no-op
+            return None
+
+    def _recheck(self, job: SaveJob, found: list[bool] | None) -> None:
+        """Objects found stored before the save and not stored now (evicted since) are ``gone``; not
+        answered, ``unchecked``: either way not durable, so the watermark stops before them."""
+        answers: list[bool | None] = list(found) if found is not None else [None] * len(job.rechecked)
+        for (index, _), stored in zip(job.rechecked, answers, strict=True):
+            if not stored:
+                outcome = "gone" if stored is not None else "unchecked"
+                job.objects[index] = replace(job.objects[index], outcome=outcome)
+                self.stats.add(f"saves_{outcome}")
 
     def _put_record(self, job: SaveJob, seq: int) -> None:
         if self._stopping() or job.save.checkpoint:

@@ -351,7 +351,7 @@ class SchedulerSide:
                 req_id,
                 tuple(save_transfer(tracked.keys, s, block_id) for s, block_id in usable),
                 already_stored=tuple(
-                    StoredObject(s.kind, s.token_start, s.token_end, s.group)
+                    StoredObject(s.kind, s.token_start, s.token_end, s.group, s.chain_hash)
                     for s, found in zip(planned, present, strict=True)
                     if found
                 ),

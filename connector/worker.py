@@ -28,7 +28,7 @@ from .calls import BoundedCalls
 from .counters import Counters, WarnOnce
 from .devicecopy import CopyStream, DeviceOps, Fence, block_major, device_ops_for
 from .config import KVToolConfig
-from .data import BlockTransfer, KVToolMetadata, KVToolWorkerMeta, RequestSave
+from .data import BlockTransfer, KVToolMetadata, KVToolWorkerMeta, RequestSave, StoredObject
 from .keys import KeyKind, Namespace, object_key, watermark_key
 from .loader import MAX_SAMPLES, Loader
 from .objects import HEADER_SIZE, ObjectHeader, PointerRecord, encode_pointer
@@ -377,7 +377,12 @@ class WorkerSide:
                 pointers = partial(self._pointers, transfer)  # encoded on the put thread
                 copies.append(ObjectCopy(number, self._key(transfer), region, pointers, self._header(transfer)))
         watermark = lambda seq: watermark_key(self._ns_key, save.watermark_id, seq)  # noqa: E731
-        self._saver.submit(SaveJob(save, copies, watermark, lease, copied=fence))
+        stored = tuple(self._stored_key(obj) for obj in save.already_stored)
+        self._saver.submit(SaveJob(save, copies, watermark, lease, copied=fence, stored_keys=stored))
+
+    def _stored_key(self, obj: StoredObject) -> str | None:
+        """This rank's key of an object a lookup found stored (asked about again by the put thread)."""
+        return object_key(self._ns_key, obj.group, obj.kind, obj.token_end, obj.chain_hash) if obj.chain_hash else None
 
     def _saving(self) -> AbstractContextManager[Fence | None]:
         return self._save_stream.saving() if self._save_stream is not None else nullcontext()

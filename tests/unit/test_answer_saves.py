@@ -215,3 +215,31 @@ def test_an_answer_save_never_names_tokens_still_in_flight():
     assert max(t.token_end for t in save.transfers) == final
     keys = keys_of(PROMPT + ANSWER)
     assert all(t.chain_hash == keys.chain_hash(t.token_end) for t in save.transfers)
+
+
+def test_an_answer_saves_record_never_counts_prompt_blocks_its_prompt_save_failed_to_store():
+    """A kv_both engine's prompt save planned blocks 32 and 64 (and the tail), but none of its puts landed
+    (the store was full): the answer save names those blocks in its record, the put thread finds them
+    absent, and the record says nothing is durable (not the answer's 104 tokens)."""
+    from connector.watermarks import WatermarkRecord
+
+    layers = ["model.layers.0.attn"]
+    caches = {name: torch.randn(8, 2, 32, 16) for name in layers}
+    ns = Namespace(model="m", dtype="float32", kv_layout="cpu", block_size=32, num_layers=1, num_kv_heads=2,
+                   head_size=8)  # fmt: skip
+    store = ScriptedStore()
+    side = engine(store, saves=True, namespace=ns)
+    req = decoded(PROMPT, ANSWER)
+    side.get_num_new_matched_tokens(req, 0)
+    side.build_connector_meta(first_chunk([1, 2, 3], 85))  # the prompt save, dropped below: never put
+    assert side.request_finished(req, ([1, 2, 3, 4],))[0]
+    (answer,) = side.build_connector_meta(step()).saves
+    assert [(o.token_start, o.token_end) for o in answer.already_stored] == [(0, 32), (32, 64)]
+    worker = WorkerSide(ns, store, CONFIG, saves_enabled=True, load_calls=InlineCalls())
+    worker.register_kv_caches(caches, [layers], 8)
+    worker.wait_for_save(KVToolMetadata(saves=[answer]))
+    worker.shutdown()
+    (final,) = [WatermarkRecord.decode(value) for key, value in store.objects.items()
+                if decode_key(key).kind.value == "w" and decode_key(key).seq == 1]  # fmt: skip
+    assert (final.prompt_tokens, final.durable_offset) == (104, 0)
+    assert worker.take_stats()["saves_gone"] == 2

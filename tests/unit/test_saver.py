@@ -238,3 +238,48 @@ def test_a_save_that_fails_unexpectedly_costs_that_save_only_and_gives_its_slots
     side.shutdown()
     assert side.take_stats()["saves_crashed"] == 2  # the put thread lived on to the second save
     assert side._saver.area.free_slots == side._saver.area.slots
+
+
+def tail_save_after_a_lookup():
+    """An 85-token prompt whose lookup found its two blocks stored: the save puts only the tail."""
+    from connector.data import StoredObject
+
+    keys = PromptKeys.build(list(range(85)), 32, 1, NS.key_component(), b"\0" * 16)
+    planned = plan_save(keys)  # blocks 32 and 64, the tail at 85
+    tail = planned[2]
+    found = tuple(StoredObject(s.kind, s.token_start, s.token_end, s.group, s.chain_hash) for s in planned[:2])
+    save = RequestSave(
+        "a",
+        (BlockTransfer(3, tail.kind, tail.token_start, tail.token_end, tail.chain_hash),),
+        already_stored=found,
+        prompt_tokens=85,
+    )
+    return planned, save
+
+
+def saved_with(store, save):
+    side = WorkerSide(NS, store, config(), saves_enabled=True)
+    side.register_kv_caches(kv_caches("random"), [LAYERS], NUM_BLOCKS)
+    side.wait_for_save(KVToolMetadata(saves=[save]))
+    side.shutdown()
+    return records(store)[1], side.take_stats()
+
+
+def test_objects_a_lookup_found_stored_are_asked_again_and_the_watermark_stops_at_one_gone():
+    """The lookup found blocks 0 and 1 stored, seconds before the save; block 1 was evicted since. The
+    put thread asks again with the save's own objects: the record stops at 32, the object is counted."""
+    planned, save = tail_save_after_a_lookup()
+    store = ScriptedStore()
+    store.objects[planned[0].key] = b"block 0, still stored"
+    final, stats = saved_with(store, save)
+    assert (final.state, final.durable_offset, final.tail_durable) == (SaveState.FAILED, 32, False)
+    assert "gone" in final.reason
+    assert stats["saves_gone"] == 1 and stats["saves_stored"] == 1 and "saves_unchecked" not in stats
+
+
+def test_objects_found_stored_before_are_not_durable_when_the_store_does_not_answer_again():
+    _, save = tail_save_after_a_lookup()
+    store = ScriptedStore()
+    store.fail_exists = True
+    final, stats = saved_with(store, save)
+    assert final.durable_offset == 0 and stats["saves_unchecked"] == 2
