@@ -93,6 +93,7 @@ class KVToolConnector(KVConnectorBase_V1, SupportsHMA):
                 block_bytes=self.layout.block_bytes if self.layout is not None else (),
                 token_bytes=self.layout.token_bytes if self.layout is not None else (),
                 breaker=self._breaker,
+                mm_named_by_content=_mm_named_by_content(vllm_config),
             )
         else:
             self._worker = WorkerSide(
@@ -271,6 +272,19 @@ class KVToolConnector(KVConnectorBase_V1, SupportsHMA):
         if self._store is not None:
             self._store.close()
             self._store = None
+
+
+def _mm_named_by_content(vllm_config: VllmConfig) -> bool:
+    """Whether vLLM names multimodal inputs by their content: where its prefix caching and its multimodal
+    processor cache are both off it names each by a per-process request counter (``renderers/base.py``,
+    ``_process_mm_uuids``); unknown counts as no (only multimodal requests go unkeyed)."""
+    try:
+        multimodal = vllm_config.model_config.multimodal_config
+        if multimodal is None:
+            return True
+        return not (multimodal.mm_processor_cache_gb == 0 and not vllm_config.cache_config.enable_prefix_caching)
+    except Exception:  # noqa: BLE001 - a config not read here: multimodal requests are neither looked up nor saved
+        return False
 
 
 def _v1_model_runner(vllm_config: VllmConfig) -> bool:

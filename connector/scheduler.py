@@ -56,6 +56,7 @@ class SchedulerSide:
         block_bytes: tuple[int, ...] = (),
         token_bytes: tuple[int, ...] = (),
         breaker: CircuitBreaker | None = None,
+        mm_named_by_content: bool = True,  # ``tracking.KeySpace``
     ):
         self._config = config
         self._breaker = breaker  # open: the store is failing, no step waits for a lookup
@@ -67,14 +68,13 @@ class SchedulerSide:
         self._store = store
         self._loads_enabled = loads_enabled and store is not None
         self._saves_enabled = saves_enabled and store is not None
-        # On a Mamba model the answer's state is the running state, in the block of its last computed
-        # token when the request ends (align mode): saved with the answer's attention objects.
         self._answers_enabled = answers_enabled and store is not None
         self._has_state_group = any(g.kind is GroupKind.STATE for g in self._groups)
         self._pending_saves: list[RequestSave] = []  # answer saves, sent with the next step's metadata
         self._holding: set[str] = set()  # finished requests whose blocks an answer save holds
         lead = lead_pointers(config, self._block_size) and not self._has_state_group  # a state takes no extension
-        self._space = KeySpace(self._block_size, config.hash_unit, self._namespace, self._groups, self._grid, lead)
+        self._space = KeySpace(self._block_size, config.hash_unit, self._namespace, self._groups, self._grid, lead,
+                               mm_named_by_content)  # fmt: skip
         self._tracked: dict[str, TrackedRequest] = {}
         self._ranks = rank_components(namespace)  # every TP rank's namespace, rank 0 (this side's) first
         self._pending_loads: list[RequestLoad] = []

@@ -44,6 +44,10 @@ class KeySpace:
     groups: tuple[CacheGroup, ...]
     grid: int
     lead_pointers: bool = False  # config.lead_pointers
+    # Whether vLLM names a multimodal input by its content: not where its prefix caching and its multimodal
+    # processor cache are both off (it then names one by a per-process request counter, which another
+    # process, or this one after a restart, gives another image): such requests are not keyed.
+    mm_named_by_content: bool = True
 
     def keys(self, tokens: list[int] | tuple[int, ...], root: bytes) -> PromptKeys:
         return PromptKeys.build(tokens, self.block_size, self.hash_unit, self.namespace, root, self.groups, self.grid,
@@ -53,6 +57,11 @@ class KeySpace:
 def request_keys(request: Request, space: KeySpace) -> tuple[PromptKeys, str | None]:
     """The request's prompt keys, or empty keys and the reason it cannot be keyed."""
     try:
+        if not space.mm_named_by_content and getattr(request, "mm_features", None):
+            raise UnhashableRequest(
+                "its multimodal inputs are named by a request counter, not their content (vLLM's prefix caching "
+                "and its multimodal processor cache are both off): turn one on to store and reuse such requests"
+            )
         root = request_identity(request).root_hash()
         return space.keys(prompt_tokens(request), root), None
     except (UnhashableRequest, UnkeyableTokens) as exc:

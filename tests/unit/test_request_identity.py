@@ -129,3 +129,31 @@ def test_real_vllm_requests_carry_embeddings_where_we_read_them():
     assert len({root(r) for r in (text, only_embeds, mixed)}) == 3
     assert root(mixed) != root(same_ids)
     assert root(text) == root(same_ids) == RequestIdentity().root_hash()  # text: today's root, tokens apart
+
+
+def test_multimodal_requests_are_not_keyed_where_vllm_names_their_inputs_by_a_counter():
+    """With vLLM's prefix caching and its multimodal processor cache both off, an input is named
+    ``renderer0-mm-<n>-image-0`` (a per-process request counter): another image after a restart, or in
+    another engine, gets the same name. Such requests are neither looked up nor saved; text ones are."""
+    from connector.connector import _mm_named_by_content
+    from connector.tracking import KeySpace, request_keys
+
+    def engine_config(cache_gb, prefix_caching, multimodal=True):
+        mm = SimpleNamespace(mm_processor_cache_gb=cache_gb) if multimodal else None
+        return SimpleNamespace(model_config=SimpleNamespace(multimodal_config=mm),
+                               cache_config=SimpleNamespace(enable_prefix_caching=prefix_caching))  # fmt: skip
+
+    assert _mm_named_by_content(engine_config(0, False)) is False
+    assert _mm_named_by_content(engine_config(4, False)) is True
+    assert _mm_named_by_content(engine_config(0, True)) is True
+    assert _mm_named_by_content(engine_config(0, False, multimodal=False)) is True
+    assert _mm_named_by_content(SimpleNamespace()) is False  # unreadable: only multimodal requests unkeyed
+
+    space = KeySpace(32, 1, "ns", (), 0, mm_named_by_content=False)
+    image = SimpleNamespace(identifier="renderer0-mm-1-image-0", mm_position=SimpleNamespace(offset=0, length=4))
+    keys, why = request_keys(request(tokens=range(40), features=[image]), space)
+    assert keys.tokens == () and "multimodal" in why
+    keys, why = request_keys(request(tokens=range(40)), space)
+    assert len(keys.tokens) == 40 and why is None
+    keys, why = request_keys(request(tokens=range(40), features=[image]), KeySpace(32, 1, "ns", (), 0))
+    assert len(keys.tokens) == 40 and why is None
