@@ -171,6 +171,10 @@ _MODEL_KEYS = (
     "convert",
 )
 
+# The engine's own multimodal settings change what the model sees (frames sampled, pixels, M-RoPE
+# positions) for the same token ids, yet vLLM's item hashes cover only a request's own kwargs.
+_MULTIMODAL_KEYS = ("mm_processor_kwargs", "media_io_kwargs", "video_pruning_rate")
+
 _CACHE_KEYS = (
     "cache_dtype",
     "kv_cache_dtype_skip_layers",
@@ -218,7 +222,21 @@ def model_identity_document(vllm_config: VllmConfig, weights_digest: str = "") -
     }
     files = _guard(lambda: _files_document(model_config, load_config, with_weights=not weights_digest))
     document["files"] = files
+    # Added where set only, so that every engine without them keeps the namespace it always had.
+    if getattr(load_config, "load_format", "auto") == "dummy":
+        document["load_format"] = "dummy"  # random weights, with the real model's files on disk
+    multimodal = _guard(lambda: _read_set(getattr(model_config, "multimodal_config", None), _MULTIMODAL_KEYS))
+    if multimodal:
+        document["multimodal"] = multimodal
     return document
+
+
+def _read_set(obj: Any, keys: tuple[str, ...]) -> dict[str, Any]:
+    """``keys`` of ``obj`` that are set (not None, not empty), as plain JSON values."""
+    if obj is None:
+        return {}
+    values = {key: getattr(obj, key, None) for key in keys}
+    return {key: _plain(value) for key, value in values.items() if value not in (None, {}, "", [])}
 
 
 def _read(obj: Any, keys: tuple[str, ...]) -> dict[str, Any]:

@@ -92,7 +92,25 @@ CHANGES = {
     "kv_cache_dtype_skip_layers": lambda c: setattr(c.cache_config, "kv_cache_dtype_skip_layers", ["0"]),
     "calculate_kv_scales": lambda c: setattr(c.cache_config, "calculate_kv_scales", True),
     "model_class_overrides": lambda c: setattr(c.model_config, "model_class_overrides", {"Llama": "my:Llama"}),
+    "dummy_weights": lambda c: setattr(c.load_config, "load_format", "dummy"),
+    "mm_processor_kwargs": lambda c: setattr(c.model_config, "multimodal_config", _mm(mm_processor_kwargs={"fps": 1})),
+    "media_io_kwargs": lambda c: setattr(c.model_config, "multimodal_config", _mm(media_io_kwargs={"video": {"n": 8}})),
+    "video_pruning_rate": lambda c: setattr(c.model_config, "multimodal_config", _mm(video_pruning_rate=0.5)),
 }
+
+
+def _mm(**fields):
+    defaults = dict(mm_processor_kwargs=None, media_io_kwargs={}, video_pruning_rate=None, mm_processor_cache_gb=4)
+    return SimpleNamespace(**{**defaults, **fields})
+
+
+def test_settings_added_later_leave_every_other_engine_its_namespace():
+    """The load format and the engine's multimodal settings enter the identity only where set."""
+    base = vllm_config()
+    default_mm, auto = vllm_config(), vllm_config()
+    default_mm.model_config.multimodal_config = _mm()
+    auto.load_config.load_format = "auto"
+    assert model_identity(default_mm) == model_identity(auto) == model_identity(base)
 
 
 def _override_fn(config):
@@ -126,6 +144,9 @@ SLOTS = {
     "hf_overrides_callable": "hf_overrides",
     "rope_scaling": "hf.rope_parameters",
     "rope_theta": "hf.rope_parameters",
+    "mm_processor_kwargs": "multimodal_config",
+    "media_io_kwargs": "multimodal_config",
+    "video_pruning_rate": "multimodal_config",
 }
 
 
