@@ -247,6 +247,20 @@ class KVToolConnector(KVConnectorBase_V1, SupportsHMA):
     def has_pending_block_frees(self) -> bool:
         return self._scheduler is not None and self._scheduler.has_pending_block_frees()
 
+    def reset_cache(self) -> bool | None:
+        """vLLM reset its caches (``pause_generation(clear_cache=True)``, ``reset_prefix_cache`` with
+        ``reset_connector``): the weights may have changed, and with them this engine's KV, under the same
+        namespace. The store is shared and other engines' KV is theirs, so nothing is removed: this engine
+        stops looking up, loading and saving until it restarts (a namespace follows its weights' files)."""
+        if self._scheduler is None:
+            return None
+        self._scheduler.stop_sharing()
+        logger.warning(
+            "kvtool: vLLM reset its caches (a weight update?); this engine no longer loads or saves KV through "
+            "the store until it restarts: KV stored before may not match its weights now"
+        )
+        return True
+
     def get_kv_connector_stats(self) -> KVToolStats | None:
         side = self._worker if self._worker is not None else self._scheduler
         taken = side.take_stats() if side is not None else {}

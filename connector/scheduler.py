@@ -398,23 +398,22 @@ class SchedulerSide:
         self._holding.difference_update(sent or ())
 
     def has_pending_block_frees(self) -> bool:
-        """Answer saves hold finished requests' blocks for a step or two: vLLM should wait for them
-        rather than preempt a running request."""
+        """Answer saves hold finished requests' blocks a step or two: vLLM waits for them, not preempts."""
         return bool(self._holding)
+
+    def stop_sharing(self) -> None:
+        """No lookup, load or save from now on (``KVToolConnector.reset_cache``: new weights, maybe)."""
+        self._lookups, self._loads_enabled, self._saves_enabled, self._answers_enabled = None, False, False, False
 
     def record_worker_meta(self, worker_meta: object) -> None:
         """Loads that failed, and the worker's measurements for the cost model."""
-        line = self._judge.observe(
-            getattr(worker_meta, "load_samples", ()), getattr(worker_meta, "step_samples", ()), time.monotonic()
-        )
-        if line is not None:
+        samples = getattr(worker_meta, "load_samples", ()), getattr(worker_meta, "step_samples", ())
+        if (line := self._judge.observe(*samples, time.monotonic())) is not None:
             logger.info(line)
         for req_id, failure in getattr(worker_meta, "load_failures", {}).items():
             tracked = self._tracked.get(req_id)
             if tracked is not None:
                 tracked.load_failure = failure
-
-    # -- finish -------------------------------------------------------------------------------------
 
     def take_stats(self) -> dict[str, int]:
         taken = self.stats.take() | (self._lookups.take_stats() if self._lookups is not None else {})

@@ -382,3 +382,26 @@ def test_a_producer_request_that_reads_no_cached_prefix_still_saves_its_prompt()
         (5, "b", 64),
         (6, "t", 85),
     ]
+
+
+def test_after_vllm_resets_its_caches_the_engine_neither_looks_up_nor_saves():
+    """pause_generation(clear_cache=True) before a weight update calls the connector's reset_cache: what
+    the store holds may not be this engine's KV any more, nor its KV the store's."""
+    from connector.connector import KVToolConnector
+
+    from .scripted_store import CountingStore
+
+    store = CountingStore()
+    publish(store, PROMPT)
+    side = SchedulerSide(CONFIG, NS, store, loads_enabled=True, saves_enabled=True, lookup_calls=InlineCalls())
+    connector = KVToolConnector.__new__(KVToolConnector)  # the hook alone: no engine to build one around
+    connector._scheduler = side
+    assert connector.reset_cache() is True
+    req = request(PROMPT)
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert side.build_connector_meta(first_chunk([10, 11, 12], len(PROMPT))).saves == []
+    assert side.request_finished(req, ([10, 11, 12],))[0] is False
+    assert store.queries == 0
+    worker_side = KVToolConnector.__new__(KVToolConnector)
+    worker_side._scheduler = None
+    assert worker_side.reset_cache() is None  # the worker's role: nothing to reset
