@@ -161,7 +161,9 @@ class KVToolConnector(KVConnectorBase_V1, SupportsHMA):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         assert self._worker is not None
-        if self.layout is None or self._store is None:
+        # Without a store too: the worker redoes vLLM's partial copy-on-write copies (hybrid models),
+        # which vLLM's own sub-block hits need whatever the store does (the worker then moves no KV).
+        if self.layout is None:
             return
         try:
             check_attention_layout(self._vllm_config, self.layout)

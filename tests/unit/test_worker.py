@@ -189,15 +189,18 @@ def test_kv_caches_on_a_device_it_cannot_copy_from_are_refused_at_registration()
         WorkerSide(NS, ScriptedStore(), CONFIG, saves_enabled=True).register_kv_caches(caches, [LAYERS], NUM_BLOCKS)
 
 
-def test_copy_on_write_copies_are_made_whole_across_views_that_share_memory():
+@pytest.mark.parametrize("store", ["up", "down"])
+def test_copy_on_write_copies_are_made_whole_across_views_that_share_memory(store):
     """vLLM 0.32 copies a block once per cache start address: a Mamba view (a smaller page) and an
-    attention view of one hybrid buffer start at the same one, and only the Mamba page was copied."""
+    attention view of one hybrid buffer start at the same one, and only the Mamba page was copied. vLLM's
+    own sub-block hits need the repair with no store at all (one unreachable at start-up)."""
     slots, slot_bytes, mamba_bytes = NUM_BLOCKS, 4 * 2 * BLOCK * 128, 4 * 1000
     buffer = torch.zeros(slots * slot_bytes, dtype=torch.int8)
     mamba = buffer.view(slots, slot_bytes)[:, :mamba_bytes].view(slots, 1, 1, mamba_bytes)
     attention = buffer.view(torch.float32).view(slots, 2, BLOCK, 128)
     assert mamba.data_ptr() == attention.data_ptr()
-    side = WorkerSide(NS, ScriptedStore(), CONFIG, saves_enabled=False, load_calls=InlineCalls())
+    backend = ScriptedStore() if store == "up" else None
+    side = WorkerSide(NS, backend, CONFIG, saves_enabled=False, load_calls=InlineCalls())
     side.register_kv_caches({"mixer": mamba, "attn": attention}, [["mixer"], ["attn"]], NUM_BLOCKS)
     attention[2] = torch.randn(2, BLOCK, 128)
     attention[5] = torch.randn(2, BLOCK, 128)
@@ -304,3 +307,19 @@ def test_under_vllms_v2_model_runner_copies_stay_on_the_engine_thread():
     side.wait_for_save(KVToolMetadata(saves=[RequestSave("req-1", transfers((3, 5, 1)), prompt_tokens=len(PROMPT))]))
     assert side.take_stats().get("saves_copied_off_step", 0) == 0
     side.shutdown()
+
+
+def test_the_connector_registers_the_caches_for_repair_when_the_store_is_down(monkeypatch):
+    """An engine whose store was unreachable at start-up still hands its caches to the worker side."""
+    import connector.connector as module
+
+    registered = []
+    monkeypatch.setattr(module, "check_attention_layout", lambda config, layout: None)
+    instance = module.KVToolConnector.__new__(module.KVToolConnector)
+    instance.layout = SimpleNamespace(layer_names=(("a",),), attention=(None,))
+    instance._store = None
+    instance._vllm_config = None
+    instance._kv_cache_config = SimpleNamespace(num_blocks=4)
+    instance._worker = SimpleNamespace(register_kv_caches=lambda *args: registered.append(args))
+    instance.register_kv_caches({"a": torch.zeros(4, 2)})
+    assert len(registered) == 1
