@@ -282,6 +282,12 @@ class WorkerSide:
         if rows is not None:
             rows.scatter(transfer.block_id, torch.frombuffer(payload, dtype=torch.uint8, count=rows.nbytes))
             return
+        if transfer.kind is KeyKind.TAIL and self._token_bytes[transfer.group]:
+            # A tail cut per token fills its block's first slots only. vLLM zeroes the new blocks of a
+            # hybrid model (stale Mamba bytes can read as NaN in slots the kernel masks) but not the ones
+            # a load restores: the rest of this one is zeroed here, as vLLM would have.
+            for block in (layer[transfer.block_id] for layer in self._groups[transfer.group]):
+                block.zero_()
         offset = 0
         for target in self._pieces(transfer):
             size = target.numel() * target.element_size()

@@ -229,6 +229,8 @@ def test_a_tail_cut_per_token_holds_its_valid_tokens_only_and_loads_them_into_th
     assert len(block) - HEADER_SIZE == 2 * 2 * BLOCK * 128 * 4  # full blocks stay whole
 
     target = kv_caches("zeros")
+    for name in LAYERS:
+        target[name][6].fill_(float("nan"))  # stale bytes (a hybrid's Mamba page): zeroed as vLLM would
     loader = WorkerSide(NS, store, CONFIG, saves_enabled=False, load_calls=InlineCalls())
     loader.register_kv_caches(target, [LAYERS], NUM_BLOCKS, ("CPU_ATTN:vec",))
     loader.start_load_kv(KVToolMetadata(loads=[RequestLoad("r", transfers((2, 4, 6)))]))
