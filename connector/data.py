@@ -53,6 +53,7 @@ class RequestSave:
     transfers: tuple[BlockTransfer, ...]  # objects to put, in prompt order
     already_stored: tuple[StoredObject, ...] = ()
     prompt_tokens: int = 0
+    state_groups: tuple[int, ...] = ()  # the model's state groups: each needs a state for anything durable
     tag: str | None = None  # the client's kvtool_tag, echoed in the watermark record
     last_block_key: str | None = None  # of the whole prompt, stored before or not
     tail_key: str | None = None

@@ -278,6 +278,11 @@ class PromptKeys:
         return found
 
     @property
+    def state_groups(self) -> tuple[int, ...]:
+        """The state groups (Mamba): a save names them, since each needs a state for a hit."""
+        return tuple(group.index for group in self.groups if group.kind is GroupKind.STATE)
+
+    @property
     def has_state_group(self) -> bool:
         """A state group holds states at exact ends only: no hit extends past a stored end there."""
         return any(group.kind is GroupKind.STATE for group in self.groups)

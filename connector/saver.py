@@ -106,9 +106,8 @@ class SaveJob:
 
     def record(self) -> WatermarkRecord:
         save = self.save
-        return watermark(
-            save.req_id, save.tag, save.prompt_tokens, self.objects, time.time(), save.last_block_key, save.tail_key
-        )
+        return watermark(save.req_id, save.tag, save.prompt_tokens, self.objects, time.time(), save.last_block_key,
+                         save.tail_key, save.state_groups)  # fmt: skip
 
     def settle(self, transfer_number: int, outcome: str) -> None:
         index = self._index[transfer_number]

@@ -356,6 +356,7 @@ class SchedulerSide:
                     if found
                 ),
                 prompt_tokens=prompt_len,
+                state_groups=tracked.keys.state_groups,
                 tag=params.get("kvtool_tag"),
                 last_block_key=next((s.key for s in reversed(planned) if s.kind is KeyKind.BLOCK), None),
                 tail_key=next((s.key for s in planned if s.kind is KeyKind.TAIL), None),

@@ -86,10 +86,12 @@ def watermark(
     updated_unix: float,
     last_block_key: str | None = None,
     tail_key: str | None = None,
+    state_groups: tuple[int, ...] = (),
 ) -> WatermarkRecord:
     """The watermark of a save whose objects (per group: full blocks in order, then at most one tail,
-    or a state) stand as given."""
-    durable_offset = _durable_offset(objects)
+    or a state) stand as given; ``state_groups``: the model's state groups, each of which needs a state
+    in the save (one with none, its block not held, leaves nothing durable)."""
+    durable_offset = _durable_offset(objects, state_groups)
     tails = [obj for obj in objects if obj.kind is KeyKind.TAIL]
     tail = tails[0] if tails else None
     tail_durable = tail is not None and durable_offset == tail.token_end
@@ -117,10 +119,11 @@ def watermark(
     )
 
 
-def _durable_offset(objects: list[ObjectProgress]) -> int:
+def _durable_offset(objects: list[ObjectProgress], state_groups: tuple[int, ...] = ()) -> int:
     """How far every group's objects are durable together (see the module's docstring)."""
     attention: list[int] = []
-    states: list[set[int]] = []  # per state group: the ends of its durable states
+    # Per state group: the ends of its durable states (none for a state group with no object here).
+    states: list[set[int]] = [set() for group in state_groups if all(obj.group != group for obj in objects)]
     for group in sorted({obj.group for obj in objects}):
         members = [obj for obj in objects if obj.group == group]
         if any(obj.kind is KeyKind.STATE for obj in members):

@@ -222,3 +222,8 @@ def test_a_hybrid_watermark_stops_only_where_every_state_group_has_a_state():
     assert watermark("r", None, 85, [*whole, progress(KeyKind.STATE, 0, 85, "stored", 2)], 0.0).durable_offset == 85
     # States only (no attention group): the furthest state every state group holds.
     assert watermark("r", None, 85, [state_64, state_85], 0.0).durable_offset == 85
+    # A state group with no object in the save at all (its block was not held): nothing is durable.
+    stored_tail = [*blocks, progress(KeyKind.TAIL, 64, 85, "stored", 0)]
+    assert watermark("r", None, 85, stored_tail, 0.0, state_groups=(1,)).durable_offset == 0
+    assert watermark("r", None, 85, [*stored_tail, state_85], 0.0, state_groups=(1,)).durable_offset == 85
+    assert watermark("r", None, 85, stored_tail, 0.0).durable_offset == 85  # a plain model: no state group

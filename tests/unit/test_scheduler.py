@@ -298,7 +298,7 @@ def test_mamba_boundary_states_are_saved_from_the_blocks_vllm_names_in_the_step_
     cached = SimpleNamespace(req_ids=["r1"], new_block_ids=[([23], [33])], resumed_req_ids=set(),
                              num_computed_tokens=[128])  # fmt: skip
     (save,) = side.build_connector_meta(step(cached=cached, scheduled={"r1": 2}, block_state=state)).saves
-    assert not save.checkpoint
+    assert not save.checkpoint and save.state_groups == (0,)  # its record needs group 0's state
     assert [(t.group, t.kind.value, t.token_end, t.block_id) for t in save.transfers] == [
         (1, "b", 64, 31), (1, "b", 128, 32), (1, "t", 130, 33), (0, "s", 130, 23), (0, "s", 128, 22),
     ]  # fmt: skip
