@@ -167,6 +167,15 @@ class KVToolConfig(BaseModel):
     # the blocks not yet stored and the exact tail, so that a chat's next turn reuses the answer too.
     save_answers: bool = Field(default=False, description="save prompt + generated tokens at request end")
 
+    # vLLM resets its caches on pause (pause_generation, sleep) with clear_cache, the step before a weight
+    # update: stop sharing KV through the store from then on (the safe default), or keep sharing (an engine
+    # paused or put to sleep whose weights never change).
+    on_cache_reset: Literal["stop_sharing", "keep_sharing"] = Field(
+        default="stop_sharing",
+        description="what a reset of vLLM's caches (pause or sleep with clear_cache, a weight update) does: "
+        "stop_sharing (no lookup, load or save until the engine restarts) or keep_sharing (weights never change)",
+    )
+
     # Observability: one JSON line per finished request with its hit details (for kvtool bench).
     request_log: str | None = Field(default=None, description="path of a JSONL file of per-request hit details")
 

@@ -54,6 +54,7 @@ class KVToolConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self._hook_clock = HookClock()
+        self._stopped_sharing = False  # reset_cache, on_cache_reset
         transfer = self._kv_transfer_config
         if transfer.kv_role not in _ROLES:
             raise ValueError(f"kvtool connector: kv_role {transfer.kv_role!r} is not one of {', '.join(_ROLES)}")
@@ -250,17 +251,20 @@ class KVToolConnector(KVConnectorBase_V1, SupportsHMA):
         return self._scheduler is not None and self._scheduler.has_pending_block_frees()
 
     def reset_cache(self) -> bool | None:
-        """vLLM reset its caches (``pause_generation(clear_cache=True)``, ``reset_prefix_cache`` with
-        ``reset_connector``): the weights may have changed, and with them this engine's KV, under the same
-        namespace. The store is shared and other engines' KV is theirs, so nothing is removed: this engine
-        stops looking up, loading and saving until it restarts (a namespace follows its weights' files)."""
+        """vLLM reset its caches (a pause or sleep with ``clear_cache``, vLLM's default, before a weight
+        update; ``reset_prefix_cache`` with ``reset_connector``): the weights may have changed, and with
+        them this engine's KV, under the same namespace (it follows the weights' files). The store is
+        shared and other engines' KV is theirs, so nothing is removed; with ``on_cache_reset`` at its
+        default this engine stops looking up, loading and saving until it restarts."""
         if self._scheduler is None:
             return None
-        self._scheduler.stop_sharing()
-        logger.warning(
-            "kvtool: vLLM reset its caches (a weight update?); this engine no longer loads or saves KV through "
-            "the store until it restarts: KV stored before may not match its weights now"
-        )
+        if self.config.on_cache_reset == "stop_sharing" and not self._stopped_sharing:
+            self._stopped_sharing = True
+            self._scheduler.stop_sharing()
+            logger.warning(
+                "kvtool: vLLM reset its caches (a pause or sleep, a weight update?); this engine no longer loads "
+                "or saves KV through the store until it restarts (on_cache_reset: keep_sharing keeps it sharing)"
+            )
         return True
 
     def get_kv_connector_stats(self) -> KVToolStats | None:

@@ -395,8 +395,9 @@ def test_after_vllm_resets_its_caches_the_engine_neither_looks_up_nor_saves():
     publish(store, PROMPT)
     side = SchedulerSide(CONFIG, NS, store, loads_enabled=True, saves_enabled=True, lookup_calls=InlineCalls())
     connector = KVToolConnector.__new__(KVToolConnector)  # the hook alone: no engine to build one around
-    connector._scheduler = side
+    connector._scheduler, connector.config, connector._stopped_sharing = side, CONFIG, False
     assert connector.reset_cache() is True
+    assert connector.reset_cache() is True and connector._stopped_sharing  # every pause resets: said once
     req = request(PROMPT)
     assert side.get_num_new_matched_tokens(req, 0) == (0, False)
     assert side.build_connector_meta(first_chunk([10, 11, 12], len(PROMPT))).saves == []
@@ -405,3 +406,17 @@ def test_after_vllm_resets_its_caches_the_engine_neither_looks_up_nor_saves():
     worker_side = KVToolConnector.__new__(KVToolConnector)
     worker_side._scheduler = None
     assert worker_side.reset_cache() is None  # the worker's role: nothing to reset
+
+
+def test_an_engine_set_to_keep_sharing_goes_on_after_a_reset():
+    """on_cache_reset: keep_sharing, for engines paused or put to sleep whose weights never change."""
+    from connector.connector import KVToolConnector
+
+    store = ScriptedStore()
+    publish(store, PROMPT)
+    side = consumer(store)
+    connector = KVToolConnector.__new__(KVToolConnector)
+    keep = load_config({"master_server_address": "127.0.0.1:1", "on_cache_reset": "keep_sharing"})
+    connector._scheduler, connector.config, connector._stopped_sharing = side, keep, False
+    assert connector.reset_cache() is True
+    assert lookup(side, request(PROMPT)) == (84, True)
