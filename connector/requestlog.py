@@ -38,6 +38,7 @@ class RequestLog:
         self._stats = stats if stats is not None else Counters()
         self._warn_once = WarnOnce(logger)
         self._failed = False
+        self._closed = False
         self._file: TextIO | None = None
         self._queue: queue.Queue[dict[str, Any] | None] = queue.Queue(MAX_QUEUED)
         self._idle = threading.Condition()
@@ -47,7 +48,7 @@ class RequestLog:
 
     def write(self, request: Request, details: dict[str, Any]) -> None:
         """Queue one line: ``details`` with the request's id and tag (never blocks)."""
-        if self._failed:
+        if self._failed or self._closed:
             return
         params = getattr(request, "kv_transfer_params", None) or {}
         record = {**details, "request_id": request.request_id, "tag": params.get("kvtool_tag")}
@@ -67,6 +68,7 @@ class RequestLog:
 
     def close(self, timeout_s: float = CLOSE_WAIT_S) -> None:
         """Write what is queued (for at most ``timeout_s``), then stop the writer and close the file."""
+        self._closed = True  # a line after this is not queued: nobody would write it
         self.drain(timeout_s)
         try:
             self._queue.put_nowait(None)
@@ -86,6 +88,9 @@ class RequestLog:
             records = [record for record in batch if record is not None]
             try:
                 self._write_lines(records)
+            except Exception:  # noqa: BLE001 - a bug stops the log (said), never leaves lines to pile up
+                self._failed = True
+                logger.exception("kvtool: the request log %s failed; no longer writing it", self._path)
             finally:
                 self._written(len(records))
             if batch[-1] is None:

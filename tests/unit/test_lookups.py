@@ -117,10 +117,12 @@ def test_an_answer_goes_only_to_the_lookup_its_job_was_sent_for():
         batcher.forget("a")
         batcher.want("a", keys(range(1000, 1050)))  # another prompt, nothing of it stored
         release.set()
-        assert batcher.settle(30.0) >= 0
-        assert batcher.poll("a") is None  # the old job's answer was not taken for it
-        batcher.settle(30.0)  # its own job
-        assert batcher.poll("a").tokens == 0
+        outcome = None
+        for _ in range(3):  # the old job answers, then (whenever it is sent) the new prompt's own
+            batcher.settle(30.0)
+            if (outcome := batcher.poll("a")) is not None:
+                break
+        assert outcome is not None and outcome.tokens == 0  # never the old prompt's 50 stored tokens
     finally:
         release.set()
         calls.shutdown()

@@ -97,3 +97,16 @@ def test_a_writer_held_by_its_disk_never_holds_the_caller_and_drops_what_does_no
     assert log.drain(timeout_s=30)
     assert [line["request_id"] for line in lines(path)] == ["first", "0", "1", "2"]
     log.close()
+
+
+def test_a_writer_that_fails_unexpectedly_stops_the_log_and_a_line_after_close_is_not_queued(tmp_path, monkeypatch):
+    path = tmp_path / "requests.jsonl"
+    log = RequestLog(str(path))
+    monkeypatch.setattr(log, "_open", lambda: 1 / 0)  # a bug, not an OSError
+    log.write(request("a"), {})
+    assert log.drain()  # given up, not pending forever
+    log.write(request("b"), {})  # stopped: not queued
+    assert log.drain(timeout_s=0.5)
+    log.close()
+    log.write(request("c"), {})
+    assert log.drain(timeout_s=0.5) and not path.exists()
