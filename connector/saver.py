@@ -36,6 +36,7 @@ DROPPED_SHUTDOWN = "dropped_shutdown"  # not tried: the engine shut down first
 # A put the store refused for lack of space is tried again after each of these pauses (its master evicts
 # in the background, above 90% of its capacity): under pressure a save loses its later objects less often.
 NO_SPACE_RETRY_DELAYS_S = (0.05, 0.2)
+FINAL_RECORD_RETRY_S = 1.5  # a save's final record, refused once, is put again after this (past a breaker's 1 s)
 
 
 @dataclass(frozen=True)
@@ -257,6 +258,12 @@ class Saver:
         if self._stopping() or job.save.checkpoint:
             return
         outcome = self._put(job.watermark_key(seq), job.record().encode())
+        if outcome is PutOutcome.FAILED and seq == SEQ_FINAL and not self._stopping():
+            # The final record says the save ended (readers wait for it): one put that stalled just before
+            # (Mooncake TCP's first transfer to a segment, 30 s) opens the breaker, which skipped it. Once
+            # more, past the breaker's first back-off, on this thread (the engine never waits for it).
+            time.sleep(FINAL_RECORD_RETRY_S)
+            outcome = self._put(job.watermark_key(seq), job.record().encode())
         self.stats.add(f"watermarks_{outcome.value}")
 
     def _put(self, key: str, value: bytes) -> PutOutcome:

@@ -283,3 +283,31 @@ def test_objects_found_stored_before_are_not_durable_when_the_store_does_not_ans
     store.fail_exists = True
     final, stats = saved_with(store, save)
     assert final.durable_offset == 0 and stats["saves_unchecked"] == 2
+
+
+def test_a_final_record_the_breaker_skipped_once_is_put_again(monkeypatch):
+    """A put that stalled just before (Mooncake TCP's first transfer to a segment) opened the breaker,
+    which skipped the save's final record: readers wait for that record, so it is put once more."""
+    from connector import saver as module
+    from connector.calls import StoreError
+
+    monkeypatch.setattr(module, "FINAL_RECORD_RETRY_S", 0.0)
+
+    class SkipsTheFirstFinalRecord(ScriptedStore):
+        skipped = 0
+
+        def put(self, key, value):
+            if "/w/" in key and key.endswith("/1") and not self.skipped:
+                self.skipped += 1
+                raise StoreError("the breaker is open: put skipped")
+            return super().put(key, value)
+
+    store = SkipsTheFirstFinalRecord()
+    side = WorkerSide(NS, store, config(), saves_enabled=True)
+    side.register_kv_caches(kv_caches("random"), [LAYERS], NUM_BLOCKS)
+    side.wait_for_save(KVToolMetadata(saves=[prompt_save("a", 0, 85, [1, 2, 3])]))
+    side.shutdown()
+    assert store.skipped == 1
+    final = records(store)[1]
+    assert (final.state, final.durable_offset) == (SaveState.DURABLE, 85)
+    assert side.take_stats()["watermarks_stored"] == 2
