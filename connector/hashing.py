@@ -80,6 +80,11 @@ class RequestIdentity:
             (self.lora_name or "").encode(),
             "\x1f".join(self.mm_hashes).encode(),
         ]
+        if any("\x1f" in entry for entry in self.mm_hashes):
+            # The join above is ambiguous for entries holding the separator (identifiers a client
+            # gave, ``multi_modal_uuids``): their count, then each entry as a part of its own (length-
+            # prefixed by ``_digest``). Roots of identities without such entries are unchanged.
+            parts += [b"mm_entries", str(len(self.mm_hashes)).encode(), *(e.encode() for e in self.mm_hashes)]
         # Fields added later are appended only when set, each behind its own tag and in a fixed
         # order: an identity without them keeps the root it always had (stored keys stay valid), and
         # since every part is length-prefixed, one with them can never hash the same bytes as one

@@ -3,6 +3,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from connector.hashing import (
+    _digest,
     tail_hashes,
     HASH_BYTES,
     RequestIdentity,
@@ -65,6 +66,17 @@ def test_identity_separates_salts_loras_and_multimodal_inputs():
         RequestIdentity(lora_path="", embeds_digest=bytes(16)).root_hash(),
     }
     assert len(roots) == 9
+
+
+def test_multimodal_entries_holding_the_separator_cannot_join_into_others():
+    # Identifiers a client gives (``multi_modal_uuids``) may hold the join's separator.
+    joined = RequestIdentity(mm_hashes=("a\x1fb",)).root_hash()
+    assert joined != RequestIdentity(mm_hashes=("a", "b")).root_hash()
+    first, second = RequestIdentity(mm_hashes=("a\x1fb", "c")), RequestIdentity(mm_hashes=("a", "b\x1fc"))
+    assert first.root_hash() != second.root_hash()
+    # Entries without it keep the root they always had (stored keys stay valid).
+    old = _digest(b"kvtool-root-v1", b"", b"\x00", b"", b"a\x1fb")
+    assert RequestIdentity(mm_hashes=("a", "b")).root_hash() == old
 
 
 def test_tail_hash_differs_from_block_hash_over_same_tokens():
