@@ -219,6 +219,9 @@ def model_identity_document(vllm_config: VllmConfig, weights_digest: str = "") -
         "model": _read(model_config, _MODEL_KEYS),
         "cache": _read(cache_config, _CACHE_KEYS),
         "hf": _hf_document(model_config),
+        # Another vLLM may compute other KV for the same tokens (its kernels, its defaults): engines
+        # share KV only with their own version.
+        "vllm": _guard(_vllm_version),
     }
     files = _guard(lambda: _files_document(model_config, load_config, with_weights=not weights_digest))
     document["files"] = files
@@ -229,6 +232,12 @@ def model_identity_document(vllm_config: VllmConfig, weights_digest: str = "") -
     if multimodal:
         document["multimodal"] = multimodal
     return document
+
+
+def _vllm_version() -> str:
+    from vllm import __version__
+
+    return str(__version__)
 
 
 def _read_set(obj: Any, keys: tuple[str, ...]) -> dict[str, Any]:

@@ -371,3 +371,14 @@ def _namespace(cfg):
         head_size=64,
         model_identity=model_identity(cfg),
     )
+
+
+def test_the_vllm_version_is_part_of_the_model_identity(monkeypatch):
+    import vllm
+
+    cfg = vllm_config()
+    document = model_identity_document(cfg)
+    assert document["vllm"] == vllm.__version__
+    before = model_identity(cfg)
+    monkeypatch.setattr(vllm, "__version__", vllm.__version__ + ".post1")
+    assert model_identity(cfg) != before
