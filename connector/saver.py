@@ -37,6 +37,9 @@ DROPPED_SHUTDOWN = "dropped_shutdown"  # not tried: the engine shut down first
 # in the background, above 90% of its capacity): under pressure a save loses its later objects less often.
 NO_SPACE_RETRY_DELAYS_S = (0.05, 0.2)
 FINAL_RECORD_RETRY_S = 1.5  # a save's final record, refused once, is put again after this (past a breaker's 1 s)
+# Once such a second try failed too, the store is taken for down: final records are not tried twice
+# for this long (each try holds the put thread, and the saves queued behind it, for the pause).
+FINAL_RECORD_RETRY_PAUSE_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,7 @@ class Saver:
         self._drain_timeout_s = drain_timeout_s
         self._queue: queue.Queue[SaveJob | None] = queue.Queue()
         self._stop_by: float | None = None  # after this, the put thread drops what is left
+        self._retry_failed_at: float | None = None  # a final record's second try failed then (``_store_down``)
         self.stats = Counters()
         self._warn_once = WarnOnce(logger)
         self._thread = threading.Thread(target=self._loop, name="kvtool-put", daemon=True)
@@ -258,13 +262,19 @@ class Saver:
         if self._stopping() or job.save.checkpoint:
             return
         outcome = self._put(job.watermark_key(seq), job.record().encode())
-        if outcome is PutOutcome.FAILED and seq == SEQ_FINAL and not self._stopping():
+        if outcome is PutOutcome.FAILED and seq == SEQ_FINAL and not self._stopping() and not self._store_down():
             # The final record says the save ended (readers wait for it): one put that stalled just before
             # (Mooncake TCP's first transfer to a segment, 30 s) opens the breaker, which skipped it. Once
             # more, past the breaker's first back-off, on this thread (the engine never waits for it).
             time.sleep(FINAL_RECORD_RETRY_S)
             outcome = self._put(job.watermark_key(seq), job.record().encode())
+            self._retry_failed_at = time.monotonic() if outcome is PutOutcome.FAILED else None
         self.stats.add(f"watermarks_{outcome.value}")
+
+    def _store_down(self) -> bool:
+        """A final record's second try failed within ``FINAL_RECORD_RETRY_PAUSE_S``."""
+        failed = self._retry_failed_at
+        return failed is not None and time.monotonic() - failed < FINAL_RECORD_RETRY_PAUSE_S
 
     def _put(self, key: str, value: bytes) -> PutOutcome:
         try:

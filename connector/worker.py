@@ -183,10 +183,9 @@ class WorkerSide:
 
     def _payload_bytes(self, transfer: BlockTransfer) -> int:
         """A tail's valid tokens where its group is cut per token; else the whole block."""
-        per_token = self._token_bytes[transfer.group] if transfer.kind is KeyKind.TAIL else 0
-        if not per_token:
+        if not self._cut_tail(transfer):
             return self._group_bytes[transfer.group]
-        return per_token * (transfer.token_end - transfer.token_start)
+        return self._token_bytes[transfer.group] * (transfer.token_end - transfer.token_start)
 
     def _header(self, transfer: BlockTransfer) -> ObjectHeader:
         return ObjectHeader(
@@ -282,7 +281,7 @@ class WorkerSide:
         if rows is not None:
             rows.scatter(transfer.block_id, torch.frombuffer(payload, dtype=torch.uint8, count=rows.nbytes))
             return
-        if transfer.kind is KeyKind.TAIL and self._token_bytes[transfer.group]:
+        if self._cut_tail(transfer):
             # A tail cut per token fills its block's first slots only. vLLM zeroes the new blocks of a
             # hybrid model (stale Mamba bytes can read as NaN in slots the kernel masks) but not the ones
             # a load restores: the rest of this one is zeroed here, as vLLM would have.
@@ -297,15 +296,17 @@ class WorkerSide:
 
     def _whole_rows(self, transfer: BlockTransfer) -> BlockRows | None:
         """The group's byte rows where the object is its whole block (not a tail cut per token)."""
-        if transfer.kind is KeyKind.TAIL and self._token_bytes[transfer.group]:
-            return None
-        return self._rows[transfer.group]
+        return None if self._cut_tail(transfer) else self._rows[transfer.group]
+
+    def _cut_tail(self, transfer: BlockTransfer) -> bool:
+        """A tail whose group is cut per token: its object holds its valid tokens only."""
+        return transfer.kind is KeyKind.TAIL and bool(self._token_bytes[transfer.group])
 
     def _pieces(self, transfer: BlockTransfer) -> list[torch.Tensor]:
         """The parts of the KV cache an object holds, in its payload's order: each layer's block, or
         for a tail cut per token each layer's first tokens (K, then V)."""
         layers = [layer[transfer.block_id] for layer in self._groups[transfer.group]]
-        if transfer.kind is not KeyKind.TAIL or not self._token_bytes[transfer.group]:
+        if not self._cut_tail(transfer):
             return layers
         valid = transfer.token_end - transfer.token_start
         return [view for block in layers for view in token_views(block, valid)]

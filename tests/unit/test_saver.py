@@ -311,3 +311,30 @@ def test_a_final_record_the_breaker_skipped_once_is_put_again(monkeypatch):
     final = records(store)[1]
     assert (final.state, final.durable_offset) == (SaveState.DURABLE, 85)
     assert side.take_stats()["watermarks_stored"] == 2
+
+
+def test_a_store_that_refuses_final_records_twice_is_not_tried_twice_again(monkeypatch):
+    """Each second try holds the put thread: once one failed, later saves' final records get one try
+    (for ``FINAL_RECORD_RETRY_PAUSE_S``), so saves queued behind a store that stays down drain fast."""
+    from connector import saver as module
+    from connector.calls import StoreError
+
+    monkeypatch.setattr(module, "FINAL_RECORD_RETRY_S", 0.0)
+
+    class RefusesFinalRecords(ScriptedStore):
+        tries = 0
+
+        def put(self, key, value):
+            if "/w/" in key and key.endswith("/1"):
+                self.tries += 1
+                raise StoreError("the store is down")
+            return super().put(key, value)
+
+    store = RefusesFinalRecords()
+    side = WorkerSide(NS, store, config(), saves_enabled=True)
+    side.register_kv_caches(kv_caches("random"), [LAYERS], NUM_BLOCKS)
+    side.wait_for_save(KVToolMetadata(saves=[prompt_save("a", 0, 85, [1, 2, 3])]))
+    side.wait_for_save(KVToolMetadata(saves=[prompt_save("b", 0, 85, [4, 5, 6])]))
+    side.shutdown()
+    assert store.tries == 3  # the first save's two tries, the second's one
+    assert side.take_stats()["watermarks_failed"] == 2
