@@ -39,12 +39,10 @@ class UnkeyableTokens(ValueError):
     """A token id the key schema cannot encode (outside 0..2^32-1): the prompt has no keys."""
 
 
-def check_token_ids(tokens: Sequence[int]) -> None:
-    """Raise ``UnkeyableTokens`` unless every id fits the key schema's uint32 (checked once per prompt:
-    tails are hashed later, off the engine's thread, where an error would be a failed lookup)."""
-    if tokens and (min(tokens) < 0 or max(tokens) > MAX_TOKEN_ID):
-        bad = next(t for t in tokens if not 0 <= t <= MAX_TOKEN_ID)
-        raise UnkeyableTokens(f"token id {bad} is outside 0..{MAX_TOKEN_ID}")
+def pack_tokens(tokens: Sequence[int]) -> bytes:
+    """The ids as the hashes take them (little-endian uint32); ``UnkeyableTokens`` for any id outside
+    0..2^32-1 (packing checks every id: a prompt packed once needs no other check)."""
+    return _token_bytes(tokens)
 
 
 def _token_bytes(tokens: Sequence[int]) -> bytes:
@@ -96,15 +94,16 @@ class RequestIdentity:
         return _digest(*parts)
 
 
-def block_hashes(tokens: Sequence[int], block_size: int, root: bytes) -> list[bytes]:
-    """Chain hashes at the end of every full block of ``tokens`` (``len(tokens) // block_size`` of them)."""
+def block_hashes(tokens: Sequence[int], block_size: int, root: bytes, packed: bytes | None = None) -> list[bytes]:
+    """Chain hashes at the end of every full block of ``tokens`` (``len(tokens) // block_size`` of them);
+    ``packed``: ``pack_tokens(tokens)``, where the caller has it."""
     if block_size <= 0:
         raise ValueError("block_size must be positive")
     count = len(tokens) // block_size
     if not count:
         return []
     # ``_digest(_BLOCK_TAG, parent, block's token bytes)``, with the tokens packed once for every block.
-    packed = memoryview(_token_bytes(tokens[: count * block_size]))
+    packed = memoryview(packed if packed is not None else _token_bytes(tokens[: count * block_size]))
     tag = struct.pack("<I", len(_BLOCK_TAG)) + _BLOCK_TAG
     size = struct.pack("<I", 4 * block_size)
     hashes: list[bytes] = []
@@ -134,16 +133,22 @@ def tail_hash(tokens: Sequence[int], boundary: int, block_size: int, parent: byt
     return _digest(_TAIL_TAG, parent, _token_bytes(tokens[tail_start:boundary]))
 
 
-def tail_hashes(tokens: Sequence[int], boundaries: Sequence[int], block_size: int, parent: bytes) -> list[bytes]:
+def tail_hashes(
+    tokens: Sequence[int], boundaries: Sequence[int], block_size: int, parent: bytes, packed: bytes | None = None
+) -> list[bytes]:
     """``tail_hash`` at each of ``boundaries``, all inside one block: the block's tokens are packed
     once and the hash state after the parent is shared (a lookup at hash unit 1 takes every boundary of
-    a block; one by one this was most of its CPU)."""
+    a block; one by one this was most of its CPU). ``packed``: ``pack_tokens(tokens)``, where the caller
+    has it."""
     if not boundaries:
         return []
     tail_start = (boundaries[0] // block_size) * block_size
     if any(b // block_size * block_size != tail_start or b == tail_start or b > len(tokens) for b in boundaries):
         raise ValueError(f"boundaries {list(boundaries)} are not all inside one block of the {len(tokens)} tokens")
-    packed = _token_bytes(tokens[tail_start : max(boundaries)])
+    if packed is None:
+        packed = _token_bytes(tokens[tail_start : max(boundaries)])
+    else:
+        packed = memoryview(packed)[4 * tail_start : 4 * max(boundaries)]
     prefix = hashlib.blake2b(digest_size=HASH_BYTES)
     for part in (_TAIL_TAG, parent):
         prefix.update(struct.pack("<I", len(part)))

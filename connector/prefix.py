@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 from .groups import CacheGroup, GroupKind
-from .hashing import block_hashes, check_token_ids, save_tail_boundary, tail_boundaries, tail_hash, tail_hashes
+from .hashing import block_hashes, pack_tokens, save_tail_boundary, tail_boundaries, tail_hash, tail_hashes
 from .keys import KeyKind, object_key, object_key_prefix
 
 from .served import ServedIndex
@@ -78,6 +78,8 @@ class PromptKeys:
     # Served indexes by the set of stored keys they answer for (``served``): a lookup asks the same
     # set again in each of its rounds.
     _served: dict[frozenset[str], ServedIndex] = field(default_factory=dict, compare=False, repr=False)
+    # The tokens packed as the hashes take them (``hashing.pack_tokens``), once per prompt.
+    _packed: bytes | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def build(
@@ -95,9 +97,11 @@ class PromptKeys:
         if any(group.block_size != block_size for group in groups):
             raise ValueError("every cache group must use the prompt's block size")
         tokens = tuple(tokens)
-        check_token_ids(tokens)
-        chain = tuple(block_hashes(tokens, block_size, root))
-        return cls(tokens, block_size, hash_unit, namespace, root, chain, groups, grid, lead_pointers and grid > 0)
+        packed = pack_tokens(tokens)  # checks every id (``UnkeyableTokens``)
+        full = len(tokens) // block_size * block_size * 4
+        chain = tuple(block_hashes(tokens, block_size, root, memoryview(packed)[:full]))
+        return cls(tokens, block_size, hash_unit, namespace, root, chain, groups, grid, lead_pointers and grid > 0,
+                   _packed=packed)  # fmt: skip
 
     @property
     def num_full_blocks(self) -> int:
@@ -120,7 +124,7 @@ class PromptKeys:
                 tail_hash(self.tokens, boundary, self.block_size, self.parent_of_block(block))  # says why not
             # Every boundary a lookup may ask about in this block, at once (``hashing.tail_hashes``).
             ends = sorted({*self.inner_candidates(block), boundary})
-            digests = tail_hashes(self.tokens, ends, self.block_size, self.parent_of_block(block))
+            digests = tail_hashes(self.tokens, ends, self.block_size, self.parent_of_block(block), self._packed)
             self._tails.update(zip(ends, digests, strict=True))
             digest = self._tails[boundary]
         return digest
@@ -184,7 +188,8 @@ class PromptKeys:
         missing = [end for end in ends if end not in self._tails]
         if missing:
             parent = self.parent_of_block(ref.block_index)
-            self._tails.update(zip(missing, tail_hashes(self.tokens, missing, self.block_size, parent), strict=True))
+            digests = tail_hashes(self.tokens, missing, self.block_size, parent, self._packed)
+            self._tails.update(zip(missing, digests, strict=True))
         return [(end, self._tails[end]) for end in ends]
 
     def pointer_ends(self, block_index: int, limit: int) -> list[int]:
@@ -266,14 +271,16 @@ class PromptKeys:
 
     def _refs_of(self, kind: KeyKind, ends: list[int], group: int) -> list[ObjectRef]:
         """The tail or pointer refs at ``ends`` (their hashes known), made where not made yet."""
-        refs, hashes, bs, found = self._refs, self._tails, self.block_size, []
+        refs, by_key, hashes, bs, found = self._refs, self._by_key, self._tails, self.block_size, []
         prefix = object_key_prefix(self.namespace, group, kind) if ends else ""
         for end in ends:
             ref = refs.get((kind, end, group))
-            if ref is None:
+            if ref is None:  # ``_keep``, inline: a lookup at hash unit 1 makes a whole block's refs
                 digest, index = hashes[end], end // bs
-                fields = (f"{prefix}{end}/{digest.hex()}", group, kind, index, index * bs, end, digest)
-                ref = self._keep((kind, end, group), _new_ref(ObjectRef, fields))
+                key = f"{prefix}{end}/{digest.hex()}"
+                ref = refs[kind, end, group] = by_key[key] = _new_ref(
+                    ObjectRef, (key, group, kind, index, index * bs, end, digest)
+                )
             found.append(ref)
         return found
 

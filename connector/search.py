@@ -22,15 +22,26 @@ from .prefix import ObjectRef, PromptKeys, plan_save
 ExistsFn = Callable[[list[str]], list[bool]]
 ReadFn = Callable[[list[str]], list["bytes | None"]]  # small objects (pointer records) by key
 POINTER_ROUNDS = 2  # at most this many (read, exists) rounds settle a lookup's pointers
-# The first query asks for the first block's candidate ends too when they and the cache groups make
-# at most this many (a few dozen keys, hashed and asked, cost less than a second round trip): at block
-# 32 and hash unit 1, one group, 31 ends (35 keys with the pointers); not the 255 ends of block 256.
+# The first query asks for the first block's candidate ends too, for the batch's first prompts while
+# their count (ends times cache groups) stays within this many (a few dozen keys, hashed and asked, cost
+# less than a second round trip): at block 32 and hash unit 1, one group, 31 ends, so a batch of one or
+# two new requests; never the 255 ends of block 256. In a larger batch a second query is likely anyway
+# (any prompt leaving a stored one inside a later block needs it), and every prompt's first-block keys
+# cost hashing and asking for nothing where its first block is stored (a hit or a longer miss).
 FIRST_BLOCK_PROBE_MAX = 64
 
 
-def _first_block_asked_first(keys: PromptKeys) -> bool:
-    """Whether the first query asks for the first block's candidates (``FIRST_BLOCK_PROBE_MAX``)."""
-    return len(keys.inner_candidates(0)) * len(keys.groups) <= FIRST_BLOCK_PROBE_MAX
+def _first_block_probes(prompts: Sequence[PromptKeys]) -> list[bool]:
+    """Which prompts' first query asks for their first block's candidates (``FIRST_BLOCK_PROBE_MAX``)."""
+    budget, chosen = FIRST_BLOCK_PROBE_MAX, []
+    for keys in prompts:
+        if not budget:
+            chosen.append(False)  # its candidates are not even listed: most of a batch's prompts
+            continue
+        cost = len(keys.inner_candidates(0)) * len(keys.groups)
+        chosen.append(cost <= budget)
+        budget -= cost if cost <= budget else 0
+    return chosen
 
 
 @dataclass(frozen=True)
@@ -79,15 +90,15 @@ def _ask(exists: ExistsFn, refs_per_prompt: list[list[ObjectRef]]) -> list[froze
     return [frozenset(ref.key for ref in refs if ref.key in found) for refs in refs_per_prompt]
 
 
-def _first_round_ends(keys: PromptKeys) -> list[int]:
+def _first_round_ends(keys: PromptKeys, first_block: bool) -> list[int]:
     """Candidate ends asked about first: every block boundary, the tail boundaries of the prompt's
-    last block, and those of its first block where they are few (``FIRST_BLOCK_PROBE_MAX``). With the
+    last block, and with ``first_block`` those of its first block (``_first_block_probes``). With the
     first block's, a miss (the commonest lookup) and a prompt extending a stored sub-block one are
     answered by this query alone; where a block has many (255 at block 256 and hash unit 1), hashing
     and asking them for every prompt, block 0 stored or not, costs more than the round trip saved."""
     ends = {(i + 1) * keys.block_size for i in range(keys.num_full_blocks)}
     ends.update(keys.inner_candidates(len(keys.tokens) // keys.block_size))
-    if _first_block_asked_first(keys):
+    if first_block:
         ends.update(keys.inner_candidates(0))
     return sorted(ends)
 
@@ -124,14 +135,15 @@ def find_stored_prefixes(
     the exact common prefix (``_extend``; from a block boundary, only by ``extend_min_tokens`` or
     more: the config's ``extend_min_tokens``).
     """
-    first_ends = [_first_round_ends(keys) for keys in prompts]
+    probed = _first_block_probes(prompts)
+    first_ends = [_first_round_ends(keys, first) for keys, first in zip(prompts, probed, strict=True)]
     present = _ask(exists, [keys.probe_refs(ends, blocks=True) for keys, ends in zip(prompts, first_ends, strict=True)])
 
     inner_ends: list[list[int]] = []
-    for keys, ends, found in zip(prompts, first_ends, present, strict=True):
+    for keys, ends, found, first in zip(prompts, first_ends, present, probed, strict=True):
         length = len(keys.tokens)
         block = _chain_blocks(keys, ends, found)
-        asked = block == length // keys.block_size or (block == 0 and _first_block_asked_first(keys))
+        asked = block == length // keys.block_size or (block == 0 and first)
         inner_ends.append([] if asked else keys.inner_candidates(block))
     second_refs = [keys.probe_refs(ends, blocks=False) for keys, ends in zip(prompts, inner_ends, strict=True)]
     asked_twice = any(second_refs)

@@ -4,6 +4,7 @@ from hypothesis import strategies as st
 
 from connector.hashing import (
     _digest,
+    pack_tokens,
     tail_hashes,
     HASH_BYTES,
     RequestIdentity,
@@ -154,9 +155,22 @@ def test_tail_hashes_of_a_block_equal_its_tail_hashes_one_by_one(tokens, block_s
     if not inside:
         return
     boundaries = sorted(data.draw(st.sets(st.sampled_from(inside), min_size=1)))
-    assert tail_hashes(tokens, boundaries, block_size, parent) == [
-        tail_hash(tokens, b, block_size, parent) for b in boundaries
-    ]
+    one_by_one = [tail_hash(tokens, b, block_size, parent) for b in boundaries]
+    assert tail_hashes(tokens, boundaries, block_size, parent) == one_by_one
+    # From the prompt packed once (``PromptKeys``): the same hashes.
+    assert tail_hashes(tokens, boundaries, block_size, parent, pack_tokens(tokens)) == one_by_one
+    full = len(tokens) // block_size * block_size
+    packed = pack_tokens(tokens[:full])
+    assert block_hashes(tokens, block_size, parent, packed) == block_hashes(tokens, block_size, parent)
+
+
+@pytest.mark.parametrize("bad", [-1, 2**32, "7"])
+def test_a_prompt_with_an_id_the_keys_cannot_encode_has_no_keys(bad):
+    from connector.hashing import UnkeyableTokens
+    from connector.prefix import PromptKeys
+
+    with pytest.raises(UnkeyableTokens):
+        PromptKeys.build([1, 2, bad, 4], 2, 1, "0123456789abcdef", ROOT)
 
 
 def test_tail_hashes_refuse_boundaries_outside_one_block():

@@ -66,6 +66,22 @@ def test_a_miss_and_a_sub_block_hit_take_one_query():
     assert len(store.queries) == 1
 
 
+def test_a_batch_asks_the_first_block_candidates_first_for_its_first_prompts_only():
+    """Beyond two 1k-token prompts (31 first-block ends each), a batch's prompts ask for their first
+    block's candidates in the second query, where that block is not stored: the same hits, fewer keys."""
+    from connector.search import find_stored_prefixes
+
+    store = KeySet()
+    store.publish(PROMPT[:20])  # a stored sub-block prompt: three later prompts extend it
+    prompts = [keys_for(PROMPT[:120]) for _ in range(3)] + [keys_for(list(range(5000, 5120)))]
+    found = find_stored_prefixes(prompts, store.exists)
+    assert [stored.hit_tokens for stored in found] == [20, 20, 20, 0]
+    assert [stored.queries for stored in found] == [1, 1, 2, 2]
+    # The first query: every prompt's 3 blocks and 24 last-block tails, and two prompts' 31 first-block
+    # tails (the first three prompts share their keys); the second, the other prompts' first-block tails.
+    assert store.queries == [3 + 24 + 31 + 3 + 24, 31 + 31]
+
+
 def test_repeated_prompt_hits_in_one_query_leaving_one_token():
     store = KeySet()
     store.publish(PROMPT[:85])
