@@ -26,7 +26,7 @@ from .breaker import BreakerPolicy, CircuitBreaker, GuardedStore
 from .instrumented import InstrumentedStore
 from .config import KVToolConfig, load_config
 from .data import KVToolMetadata, KVToolWorkerMeta
-from .layout import EngineLayout, UnsupportedLayout, check_attention_layout, engine_layout
+from .layout import EngineLayout, UnsupportedLayout, check_attention_layout, engine_layout, state_reuse_warnings
 from .hooktime import HookClock, on_engine_thread
 from .keys import Namespace
 from .metrics import KVToolStats
@@ -76,6 +76,10 @@ class KVToolConnector(KVConnectorBase_V1, SupportsHMA):
             self.layout = engine_layout(vllm_config, kv_cache_config, self.config.model_id, self.config.weights_digest)
         except UnsupportedLayout as exc:
             logger.warning("kvtool: connector disabled, %s; the engine serves without it", exc)
+        if self.layout is not None and role == KVConnectorRole.SCHEDULER:
+            match_unit = getattr(vllm_config.cache_config, "prefix_match_unit", None)
+            for warning in state_reuse_warnings(self.layout.groups, self.config.hash_unit, match_unit, saves_enabled):
+                logger.warning("kvtool: %s", warning)
         self.namespace = self.layout.namespace if self.layout is not None else None
         self._breaker = CircuitBreaker(_breaker_policy(self.config))  # the store's health, which both sides consult
         self._store = self._open_store(role) if self.layout is not None else None

@@ -169,6 +169,33 @@ def engine_layout(
     return EngineLayout(namespace, groups, layer_names, kernels, block_bytes, token_bytes)
 
 
+def state_reuse_warnings(
+    groups: tuple[CacheGroup, ...], hash_unit: int, prefix_match_unit: int | None, saves: bool
+) -> list[str]:
+    """What a model with state (Mamba) groups loses on this configuration, one sentence each (said at
+    start-up): a hit there needs a state after exactly its length, which exists only where a prefill
+    stopped (block boundaries, the prompt's last checkpoint, the prompt's and an answer's end), and
+    attention objects reaching that end (tails on the ``hash_unit`` grid)."""
+    if not any(group.kind is GroupKind.STATE for group in groups):
+        return []
+    warnings = []
+    if hash_unit > 1:
+        warnings.append(
+            f"hash_unit {hash_unit} on a model with state (Mamba) layers: a stored prompt's end is a hit only "
+            f"where it falls on that grid (its state is kept at its exact end, its tail at the grid point "
+            f"before), so most prompts repeating or extending a stored one reuse its whole blocks only; set "
+            f"hash_unit: 1"
+        )
+    unit = prefix_match_unit or groups[0].block_size
+    if saves and unit > 1:
+        warnings.append(
+            f"this engine's prefill stops every {unit} tokens (--prefix-match-unit, else the block size), so "
+            f"it saves the state short of a prompt at the last multiple of {unit} below its length: the same "
+            f"prompt sent again reuses only up to there; give the engine --prefix-match-unit 1"
+        )
+    return warnings
+
+
 def _check_parallelism(parallel: object) -> None:
     """Tensor parallelism is keyed per rank (``connector.ranks``); other splits of the KV are refused."""
     if getattr(parallel, "pipeline_parallel_size", 1) != 1:

@@ -156,3 +156,20 @@ def test_tensor_parallel_engines_key_by_their_tp_size_and_pipeline_parallelism_i
     with pytest.raises(UnsupportedLayout, match="prefill context parallelism"):
         layout(2, prefill_context_parallel_size=2)
     assert layout(2, decode_context_parallel_size=1).namespace == two
+
+
+def test_a_mamba_configuration_that_loses_reuse_is_said_at_start_up():
+    from connector.groups import CacheGroup, GroupKind
+    from connector.layout import state_reuse_warnings
+
+    hybrid = (CacheGroup(0, GroupKind.FULL, 64), CacheGroup(1, GroupKind.STATE, 64))
+    plain = (CacheGroup(0, GroupKind.FULL, 64),)
+    # The presets: a saving engine with --prefix-match-unit 1, a consumer without it, hash unit 1.
+    assert state_reuse_warnings(hybrid, 1, 1, saves=True) == []
+    assert state_reuse_warnings(hybrid, 1, None, saves=False) == []
+    assert state_reuse_warnings(plain, 16, None, saves=True) == []  # no state group: nothing is lost
+    (grid,) = state_reuse_warnings(hybrid, 16, 1, saves=False)
+    assert "hash_unit 16" in grid and "hash_unit: 1" in grid
+    (stops,) = state_reuse_warnings(hybrid, 1, None, saves=True)
+    assert "every 64 tokens" in stops and "--prefix-match-unit 1" in stops
+    assert "every 16 tokens" in state_reuse_warnings(hybrid, 1, 16, saves=True)[0]
