@@ -103,10 +103,14 @@ class KVToolWorkerMeta(KVConnectorWorkerMetadata):
     # (bytes, seconds of the transfer, seconds its request waited) of each load applied
     load_samples: list[tuple[int, float, float]] = field(default_factory=list)
     step_samples: list[tuple[int, float]] = field(default_factory=list)  # (tokens scheduled, forward seconds)
+    # Requests whose prompt save left an object it copied unstored (a put failed, the store was full):
+    # their answer save puts the prompt's objects again where they are still missing.
+    unsaved: frozenset[str] = frozenset()
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         merged = dict(self.load_failures)
         for req_id, failure in getattr(other, "load_failures", {}).items():
             merged[req_id] = min(failure, merged.get(req_id, failure))
         loads = self.load_samples + list(getattr(other, "load_samples", []))
-        return KVToolWorkerMeta(merged, loads, self.step_samples + list(getattr(other, "step_samples", [])))
+        steps = self.step_samples + list(getattr(other, "step_samples", []))
+        return KVToolWorkerMeta(merged, loads, steps, self.unsaved | getattr(other, "unsaved", frozenset()))

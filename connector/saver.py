@@ -12,6 +12,7 @@ objects stored, then the final watermark record (each object's outcome).
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
@@ -129,6 +130,7 @@ class Saver:
         self._drain_timeout_s = drain_timeout_s
         self._queue: queue.Queue[SaveJob | None] = queue.Queue()
         self._stop_by: float | None = None  # after this, the put thread drops what is left
+        self._unsaved: collections.deque[str] = collections.deque()  # ``take_unsaved``; the put thread appends
         self._retry_failed_at: float | None = None  # a final record's second try failed then (``_store_down``)
         self.stats = Counters()
         self._warn_once = WarnOnce(logger)
@@ -190,6 +192,7 @@ class Saver:
         finally:
             job.release_lease()  # a put still running in the client holds it until it returns
         pointers: list[tuple[str, bytes]] = []
+        unstored = False
         for copy, found in zip(copies, present, strict=True):
             outcome = "present" if found else DROPPED_SHUTDOWN if stopping else outcomes[copy.key].value
             if outcome == PutOutcome.STORED.value:
@@ -197,6 +200,9 @@ class Saver:
                 pointers += copy.pointers()
             job.settle(copy.transfer_number, outcome)
             self.stats.add(f"saves_{outcome}")
+            unstored = unstored or outcome not in ("present", PutOutcome.STORED.value)
+        if unstored and not job.save.answer:
+            self._unsaved.append(job.save.req_id)
         job.copies = []
         if pointers and not self._stopping():
             self._put_pointers(pointers)
@@ -293,6 +299,13 @@ class Saver:
 
     def take_stats(self) -> dict[str, int]:
         return self.stats.take()
+
+    def take_unsaved(self) -> frozenset[str]:
+        """Requests whose prompt save, since the last call, left an object it copied unstored."""
+        taken = set()
+        while self._unsaved:
+            taken.add(self._unsaved.popleft())
+        return frozenset(taken)
 
     def shutdown(self, timeout_s: float | None = None) -> None:
         """Let queued saves finish for at most the drain time-out, then drop the rest (logged)."""

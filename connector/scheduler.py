@@ -392,8 +392,7 @@ class SchedulerSide:
         """Loads the worker reported received (their blocks are filled, or vLLM recomputes), and answer
         saves it reported sent (vLLM frees their blocks)."""
         for req_id in received or ():
-            tracked = self._tracked.get(req_id)
-            if tracked is not None:
+            if (tracked := self._tracked.get(req_id)) is not None:
                 tracked.loading = False
                 self._mark(tracked, "load_done")
         self._holding.difference_update(sent or ())
@@ -407,21 +406,22 @@ class SchedulerSide:
         self._lookups, self._loads_enabled, self._saves_enabled, self._answers_enabled = None, False, False, False
 
     def record_worker_meta(self, worker_meta: object) -> None:
-        """Loads that failed, and the worker's measurements for the cost model."""
+        """Loads that failed, the cost model's measurements, prompt saves that left objects unstored."""
         samples = getattr(worker_meta, "load_samples", ()), getattr(worker_meta, "step_samples", ())
         if (line := self._judge.observe(*samples, time.monotonic())) is not None:
             logger.info(line)
         for req_id, failure in getattr(worker_meta, "load_failures", {}).items():
-            tracked = self._tracked.get(req_id)
-            if tracked is not None:
+            if (tracked := self._tracked.get(req_id)) is not None:
                 tracked.load_failure = failure
+        for req_id in getattr(worker_meta, "unsaved", ()):
+            if (tracked := self._tracked.get(req_id)) is not None:  # its answer save puts them again
+                tracked.saved_keys = frozenset()
 
     def take_stats(self) -> dict[str, int]:
         taken = self.stats.take() | (self._lookups.take_stats() if self._lookups is not None else {})
         more = getattr(self._store, "take_stats", None)
-        if more is not None:
-            for name, value in more().items():
-                taken[name] = taken.get(name, 0) + value
+        for name, value in (more() if more is not None else {}).items():
+            taken[name] = taken.get(name, 0) + value
         return taken
 
     def request_finished(

@@ -312,10 +312,12 @@ class WorkerSide:
         return [view for block in layers for view in token_views(block, valid)]
 
     def take_worker_meta(self) -> KVToolWorkerMeta | None:
-        """Loads that failed since the last step, and the cost model's measurements (``profit``)."""
-        if not (self._load_failures or self._loader.samples or self._step_samples):
+        """Loads that failed since the last step, the cost model's measurements (``profit``), and the
+        requests whose prompt save left objects unstored (``Saver.take_unsaved``)."""
+        unsaved = self._saver.take_unsaved() if self._saver is not None else frozenset()
+        if not (self._load_failures or self._loader.samples or self._step_samples or unsaved):
             return None
-        meta = KVToolWorkerMeta(self._load_failures, self._loader.samples, self._step_samples)
+        meta = KVToolWorkerMeta(self._load_failures, self._loader.samples, self._step_samples, unsaved)
         self._load_failures, self._loader.samples, self._step_samples = {}, [], []
         return meta
 

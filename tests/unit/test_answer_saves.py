@@ -81,6 +81,21 @@ def test_a_kv_both_engine_does_not_save_its_prompt_twice():
     assert [t.token_end for t in answer.transfers] == [96, 104]
 
 
+def test_an_answer_save_puts_again_the_prompt_objects_its_prompt_save_left_unstored():
+    from connector.data import KVToolWorkerMeta
+
+    store = ScriptedStore()
+    side = engine(store, saves=True)
+    req = decoded(PROMPT, ANSWER)
+    side.get_num_new_matched_tokens(req, 0)
+    side.build_connector_meta(first_chunk([10, 11, 12], 85))
+    side.record_worker_meta(KVToolWorkerMeta(unsaved=frozenset({"r1"})))  # a put of that save failed
+    assert side.request_finished(req, ([10, 11, 12, 13],))[0]
+    (answer,) = side.build_connector_meta(step()).saves
+    # The prompt's blocks again (the put thread skips those stored), then the answer's.
+    assert [t.token_end for t in answer.transfers] == [32, 64, 96, 104]
+
+
 def test_nothing_to_save_holds_no_block():
     store = ScriptedStore()
     side = engine(store)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import torch
 
@@ -96,6 +97,9 @@ def test_a_save_is_durable_only_up_to_its_first_failed_put():
     assert (stats["saves_no_space"], stats["saves_stored"]) == (1, 2)
     assert stats["puts_retried_no_space"] == len(NO_SPACE_RETRY_DELAYS_S)
     assert records(store)[1].durable_offset == 0
+    # The scheduler hears of it (its answer save, if any, puts the prompt's objects again), once.
+    assert side.take_worker_meta().unsaved == {"a"}
+    assert side.take_worker_meta() is None
 
 
 def test_a_put_refused_for_space_is_stored_once_the_store_has_evicted():
@@ -338,3 +342,17 @@ def test_a_store_that_refuses_final_records_twice_is_not_tried_twice_again(monke
     side.shutdown()
     assert store.tries == 3  # the first save's two tries, the second's one
     assert side.take_stats()["watermarks_failed"] == 2
+
+
+def test_saves_whose_objects_are_all_stored_and_answer_saves_are_not_reported_unsaved():
+    store = ScriptedStore()
+    store.put_outcome_for = lambda key: PutOutcome.NO_SPACE if "/b/" in key else PutOutcome.STORED
+    side = WorkerSide(NS, store, config(), saves_enabled=True)
+    side.register_kv_caches(kv_caches("random"), [LAYERS], NUM_BLOCKS)
+    answer = replace(prompt_save("b", 0, 85, [1, 2, 3]), answer=True)  # an answer save's failures: its own
+    side.wait_for_save(KVToolMetadata(saves=[answer]))
+    store.put_outcome_for = lambda key: PutOutcome.STORED
+    side.wait_for_save(KVToolMetadata(saves=[prompt_save("c", 0, 85, [4, 5, 6])]))
+    side.shutdown()
+    meta = side.take_worker_meta()
+    assert meta is None or not meta.unsaved
