@@ -37,6 +37,7 @@ class BoundedCalls:
         self._limit = limit
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=limit, thread_name_prefix=name)
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # notified as calls return (``wait_idle``)
         self._in_flight = 0
 
     @property
@@ -61,6 +62,12 @@ class BoundedCalls:
     def _release(self) -> None:
         with self._lock:
             self._in_flight -= 1
+            self._idle.notify_all()
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait at most ``timeout_s`` for every call started to return; whether they all did."""
+        with self._lock:
+            return self._idle.wait_for(lambda: self._in_flight == 0, timeout=timeout_s)
 
     def call(self, fn: Callable[[], T], timeout_s: float, what: str) -> T:
         """Run ``fn`` and wait at most ``timeout_s``; any failure is a ``StoreError``."""

@@ -30,6 +30,8 @@ __all__ = ["BACKENDS", "KVStore", "PutOutcome", "SharedStore", "StoreError", "Ti
 
 logger = logging.getLogger("vllm.kvtool")
 
+CLOSE_WAIT_S = 1.0  # closing waits this long for calls still running (``TimedStore.close``)
+
 
 class TimedStore:
     """Any ``KVStore`` with every call on a bounded set of threads under its time-out (``calls``).
@@ -91,6 +93,12 @@ class TimedStore:
 
     def close(self) -> None:
         self._calls.shutdown()
+        if not self._calls.wait_idle(CLOSE_WAIT_S):
+            # A call past its time-out still runs inside the client library: closing the client under it
+            # could crash the engine's process. Left open, it goes with the process.
+            logger.warning("kvtool: %d store calls have not returned; the store client is left open until "
+                           "the process exits", self._calls.in_flight)  # fmt: skip
+            return
         self._store.close()
 
 

@@ -42,6 +42,33 @@ def test_a_hung_backend_call_is_a_timeout_and_hung_calls_never_queue_others():
         store.close()
 
 
+def test_closing_leaves_the_client_open_under_a_call_that_has_not_returned(monkeypatch):
+    """Closing the client library under a call still running in it could crash the engine's process."""
+    from connector import store as module
+
+    monkeypatch.setattr(module, "CLOSE_WAIT_S", 0.01)
+
+    class Closing(HangingStore):
+        closed = 0
+
+        def close(self):
+            self.closed += 1
+
+    backend = Closing()
+    store = TimedStore(backend, load_config({"master_server_address": "127.0.0.1:1", "lookup_timeout_s": 0.01}))
+    with pytest.raises(StoreTimeout):
+        store.exists(["k"])
+    store.close()
+    assert backend.closed == 0
+    backend.release.set()  # the call returns: a store whose calls all returned is closed
+    idle = Closing()
+    idle.release.set()
+    other = TimedStore(idle, load_config({"master_server_address": "127.0.0.1:1"}))
+    assert other.exists(["k"]) == [False]
+    other.close()
+    assert idle.closed == 1
+
+
 def test_faults_wrap_the_interface(tmp_path):
     backend = ScriptedStore()
     backend.objects["kvtool/2/ns/0/b/32/aa"] = b"0123456789"
