@@ -24,6 +24,15 @@ PEER_RUNS = [
 
 # kvtool against each peer, each pair of pairs interleaved (../compare-peers/interleaved/command.sh).
 INTERLEAVED = HERE.parent / "compare-peers" / "interleaved"
+INTERLEAVED_SOURCE = (
+    "../compare-peers/interleaved/kvtool-vs-*.json (command.sh there: --compare kvtool,PEER --interleave)"
+)
+# The workloads those runs leave out, likewise (../compare-peers/interleaved-answers/command.sh).
+ANSWERS = HERE.parent / "compare-peers" / "interleaved-answers"
+ANSWERS_SOURCE = (
+    "../compare-peers/interleaved-answers/{answers,trace256}-kvtool-vs-*.json (command.sh there: --compare "
+    "kvtool,PEER --interleave; chat, shared-prefix, prefix-repetition with --roles both; the trace at block 256)"
+)
 
 
 def load(path: Path) -> dict[str, Any] | None:
@@ -167,62 +176,77 @@ def peer_fields(docs: list[dict[str, Any] | None]) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def interleaved_fields(docs: list[dict[str, Any] | None]) -> dict[str, Any]:
+def interleaved_fields(
+    runs: list[tuple[str, dict[str, Any] | None]], prefix: str = "interleaved", source: str = ""
+) -> dict[str, Any]:
     """kvtool against each peer head to head, each run interleaved (``kvtool bench --compare kvtool,PEER
     --interleave``: both pairs up at once, every step sent to both in turn), so both connectors'
-    requests share every stretch of the machine's drift: the goal judged in the same run, per peer."""
-    docs = [doc for doc in docs if doc is not None and "kvtool" in doc["connectors"] and len(doc["connectors"]) == 2]
-    if not docs:
+    requests share every stretch of the machine's drift: the goal judged in the same run, per peer.
+    ``runs``: (label, document) per run, the label naming its peer (and its workloads, where a peer has
+    several runs)."""
+    runs = [(label, doc) for label, doc in runs
+            if doc is not None and "kvtool" in doc["connectors"] and len(doc["connectors"]) == 2]  # fmt: skip
+    if not runs:
         return {}
-    source = "../compare-peers/interleaved/kvtool-vs-*.json (command.sh there: --compare kvtool,PEER --interleave)"
+    source = source or INTERLEAVED_SOURCE
     overall: dict[str, dict[str, Any]] = {}
     by_workload: dict[str, dict[str, dict[str, Any]]] = {}
     engine_by_workload: dict[str, dict[str, dict[str, Any]]] = {}
     efficiency: dict[str, dict[str, Any]] = {}
-    for doc in docs:
-        runs = pooled([doc])
-        peer = next(name for name in runs if name != "kvtool")
-        overall[peer] = {name: runs[name]["ttft_ms_p50"] for name in ("kvtool", peer)}
-        overall[peer]["engine"] = {name: runs[name]["engine_ttft_ms_p50"] for name in ("kvtool", peer)}
-        by_workload[peer] = {
-            workload: {name: runs[name]["workloads"].get(workload) for name in ("kvtool", peer)}
-            for workload in runs["kvtool"]["workloads"]
+    for label, doc in runs:
+        summaries = pooled([doc])
+        peer = next(name for name in summaries if name != "kvtool")
+        overall[label] = {name: summaries[name]["ttft_ms_p50"] for name in ("kvtool", peer)}
+        overall[label]["engine"] = {name: summaries[name]["engine_ttft_ms_p50"] for name in ("kvtool", peer)}
+        by_workload[label] = {
+            workload: {name: summaries[name]["workloads"].get(workload) for name in ("kvtool", peer)}
+            for workload in summaries["kvtool"]["workloads"]
         }
-        engine_by_workload[peer] = {
-            workload: {name: runs[name]["engine_workloads"].get(workload) for name in ("kvtool", peer)}
-            for workload in runs["kvtool"]["engine_workloads"]
+        engine_by_workload[label] = {
+            workload: {name: summaries[name]["engine_workloads"].get(workload) for name in ("kvtool", peer)}
+            for workload in summaries["kvtool"]["engine_workloads"]
         }
-        efficiency[peer] = {
+        efficiency[label] = {
             name: {
-                "efficiency": round(runs[name]["efficiency"], 4),
-                "found_efficiency": round(runs[name]["found_efficiency"], 4),
-                "mismatches": runs[name]["mismatches"],
+                "efficiency": round(summaries[name]["efficiency"], 4),
+                "found_efficiency": round(summaries[name]["found_efficiency"], 4),
+                "mismatches": summaries[name]["mismatches"],
             }
             for name in ("kvtool", peer)
         }
 
-    def no_higher(pair: dict[str, Any], peer: str) -> bool:
+    def no_higher(pair: dict[str, Any], _label: str = "") -> bool:
+        peer = next(name for name in pair if name not in ("kvtool", "engine"))
         return pair["kvtool"] is not None and pair[peer] is not None and pair["kvtool"] <= pair[peer]
 
     return {
-        "interleaved_consumer_ttft_ms_p50": field(
+        f"{prefix}_consumer_ttft_ms_p50": field(
             overall, "kvtool no higher than each peer in the same interleaved run (client TTFT; engine beside it)",
-            all(no_higher(pair, peer) for peer, pair in overall.items()), source,
+            all(no_higher(pair) for pair in overall.values()), source,
         ),
-        "interleaved_consumer_ttft_ms_p50_by_workload": field(
+        f"{prefix}_consumer_ttft_ms_p50_by_workload": field(
             by_workload, "kvtool no higher than each peer on every workload, in the same interleaved run",
-            all(no_higher(pair, peer) for peer, rows in by_workload.items() for pair in rows.values()), source,
+            all(no_higher(pair) for rows in by_workload.values() for pair in rows.values()), source,
         ),
-        "interleaved_consumer_engine_ttft_ms_p50_by_workload": field(
+        f"{prefix}_consumer_engine_ttft_ms_p50_by_workload": field(
             engine_by_workload, "none (the consumer's vLLM's own TTFT, without HTTP: beside the goal above)", None,
             source, higher_cells(engine_by_workload, no_higher),
         ),
-        "interleaved_efficiency_and_mismatches": field(
+        f"{prefix}_efficiency_and_mismatches": field(
             efficiency, "kvtool >= 0.99 (hits taken over the ideal) and 0 mismatches in every run",
             all(e["kvtool"]["efficiency"] >= 0.99 and e["kvtool"]["mismatches"] == 0 for e in efficiency.values()),
             source, "found_efficiency: the hits and what the cost model declined as costing more than they save",
         ),
     }  # fmt: skip
+
+
+def answers_runs() -> list[tuple[str, dict[str, Any] | None]]:
+    """../compare-peers/interleaved-answers: per peer, the answers workloads and the trace at block 256."""
+    kinds = {"answers": "chat, shared-prefix, prefix-repetition", "trace256": "the trace at block 256"}
+    return [
+        (f"{path.stem.split('-vs-', 1)[1]} ({kinds[path.stem.split('-', 1)[0]]})", load(path))
+        for path in sorted(ANSWERS.glob("*-kvtool-vs-*.json"))
+    ]
 
 
 def higher_cells(table: dict[str, dict[str, dict[str, Any]]], no_higher: Callable[[dict[str, Any], str], bool]) -> str:
@@ -311,7 +335,13 @@ def main() -> None:
         **data_path_fields(load(HERE / "data_path.json")),
         **lookup_fields(load(HERE / "lookup_latency.json"), load(HERE / "lookup_cpu.json")),
         **peer_fields([load(path) for path in PEER_RUNS]),
-        **interleaved_fields([load(path) for path in sorted(INTERLEAVED.glob("kvtool-vs-*.json"))]),
+        **interleaved_fields(
+            [
+                (path.stem.removeprefix("kvtool-vs-"), load(path))
+                for path in sorted(INTERLEAVED.glob("kvtool-vs-*.json"))
+            ]
+        ),  # fmt: skip
+        **interleaved_fields(answers_runs(), "interleaved_answers_and_trace256", ANSWERS_SOURCE),
         **producer_fields([load(HERE / "producer.json"), load(HERE / "producer-none-first.json")]),
         **capacity_fields(load(HERE.parent / "capacity-pressure" / "results.json")),
         **stream_fields(load(HERE / "stream_gap.json")),
