@@ -197,44 +197,53 @@ class Loader:
         store, area = self._store, self.area
         while self._queue and store is not None and area is not None:
             entry = self._queue[0]
+            count = len(entry.load.transfers)
+            lease = area.take(count)
+            oversize = lease is None and count > area.slots and not self.held_bytes
+            if lease is None and not oversize:
+                return  # earlier loads hold the slots: its turn comes when they end
+            if oversize:  # larger than the whole area, nothing else in flight: a buffer of its own
+                size = count * area.slot_bytes
+                with self._lock:
+                    self._oversize_held += size
+                give_back: Callable[[], None] = lambda size=size: self._oversize_done(size)  # noqa: E731
+                fetcher = self._oversize_fetcher(store, entry, area, give_back)
+            else:
+                assert lease is not None
+                give_back, fetcher = lease.release, self._fetcher(store, entry, lease)
             try:
-                lease = self._lease(area, len(entry.load.transfers))
-            except (RuntimeError, MemoryError) as exc:  # the host could not give a buffer that large: a miss
-                entry.failure, lease = (
-                    LoadFailure("no_memory", f"no buffer for a load larger than the area: {exc}"),
-                    None,
-                )
-                self._queue.popleft()
-                entry.deadline = self._clock() + self._timeout_s
-                continue
-            if lease is None:
-                return
-            try:
-                entry.future = self._calls.submit(self._fetcher(store, entry, lease), "load")
+                entry.future = self._calls.submit(fetcher, "load")
             except StoreBusy:  # every thread is stuck on the store: wait for one, within the deadline
-                lease.release()
+                give_back()
                 return
             except StoreError as exc:
-                lease.release()
+                give_back()
                 entry.failure = LoadFailure("store_error", str(exc))
             else:
-                entry.lease = lease
+                entry.lease = lease  # None for a buffer of its own: its fetch gives that back (below)
             self._queue.popleft()
             entry.deadline = self._clock() + self._timeout_s
 
-    def _lease(self, area: StagingArea, count: int) -> Lease | None:
-        """Slots for ``count`` objects, or None while earlier loads hold them."""
-        lease = area.take(count)
-        if lease is not None or count <= area.slots or self.held_bytes:
-            return lease
-        size = count * area.slot_bytes  # larger than the whole area, and nothing else in flight
-        with self._lock:
-            self._oversize_held += size
-        try:
-            return area.take_oversize(count, lambda: self._oversize_done(size))
-        except BaseException:
-            self._oversize_done(size)
-            raise
+    def _oversize_fetcher(
+        self, store: KVStore, entry: _InFlight, area: StagingArea, give_back: Callable[[], None]
+    ) -> Callable[[], Fetched]:
+        """A fetch into a buffer of its own, allocated on the fetch thread (pinned on a GPU host: a large
+        ``cudaHostAlloc`` on the engine's thread would stall every stream) and given back once the fetch
+        returns (its payloads have been copied into the KV cache by then). A buffer the host cannot give
+        is a ``no_memory`` miss."""
+
+        def fetched() -> Fetched:
+            try:
+                lease = area.take_oversize(len(entry.load.transfers), give_back)
+            except (RuntimeError, MemoryError) as exc:
+                give_back()
+                return Fetched(failure=LoadFailure("no_memory", f"no buffer for a load larger than the area: {exc}"))
+            try:
+                return self._fetcher(store, entry, lease)()
+            finally:
+                lease.release()  # a store call still running in the client holds it until it returns
+
+        return fetched
 
     def _oversize_done(self, size: int) -> None:
         with self._lock:

@@ -142,8 +142,8 @@ def test_one_load_larger_than_the_area_still_runs_alone(monkeypatch):
 
 
 def test_a_load_larger_than_the_area_whose_buffer_the_host_cannot_give_is_a_miss(monkeypatch):
-    """The buffer of its own is allocated on the engine's thread: a failed allocation fails the load
-    (recomputed), never the engine; the next load runs."""
+    """A failed allocation of the buffer of its own fails the load (recomputed), never the engine; the
+    next load runs."""
     accept_any(monkeypatch)
     store = GatedStore()
     store.gate.set()
@@ -160,6 +160,32 @@ def test_a_load_larger_than_the_area_whose_buffer_the_host_cannot_give_is_a_miss
         assert failed["big"][1].cause == "no_memory" and "next" not in failed
         assert written == [(10, b"k10")] and instance.held_bytes == 0
     finally:
+        calls.shutdown()
+
+
+def test_the_buffer_of_a_load_larger_than_the_area_is_allocated_off_the_engine_thread(monkeypatch):
+    """Pinned on a GPU host, a large buffer takes long to allocate: never on the engine's thread."""
+    accept_any(monkeypatch)
+    store = GatedStore()
+    instance, calls, written = loader(store, slots=1)
+    threads = []
+    take_oversize = instance.area.take_oversize
+
+    def recorded(count, given_back):
+        threads.append(threading.current_thread())
+        return take_oversize(count, given_back)
+
+    monkeypatch.setattr(instance.area, "take_oversize", recorded)
+    try:
+        instance.start(load("big", 3))
+        instance.start(load("big2", 3, first_block=10))  # waits for the first one's buffer to be given back
+        assert instance.held_bytes == 3 * OBJECT_BYTES
+        store.gate.set()
+        received, failed = finish_all(instance, {"big", "big2"})
+        assert failed == {} and len(written) == 6 and instance.held_bytes == 0
+        assert len(threads) == 2 and threading.main_thread() not in threads
+    finally:
+        store.gate.set()
         calls.shutdown()
 
 
