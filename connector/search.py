@@ -103,6 +103,11 @@ def _first_round_ends(keys: PromptKeys, first_block: bool) -> list[int]:
     return sorted(ends)
 
 
+def all_full(keys: PromptKeys) -> bool:
+    """Every cache group keeps every block (no state, no window): a stored block serves its end."""
+    return all(group.kind is GroupKind.FULL for group in keys.groups)
+
+
 def _chain_blocks(keys: PromptKeys, ends: Sequence[int], present: frozenset[str]) -> int:
     """How many leading blocks are stored: where a stored shorter prompt may end, inside the next one.
 
@@ -144,7 +149,12 @@ def find_stored_prefixes(
         length = len(keys.tokens)
         block = _chain_blocks(keys, ends, found)
         asked = block == length // keys.block_size or (block == 0 and first)
-        inner_ends.append([] if asked else keys.inner_candidates(block))
+        inner = [] if asked else keys.inner_candidates(block)
+        if block and not first and not all_full(keys) and not keys.served(found).serves(keys.block_size):
+            # Alone, its first query would have asked the first block's ends: where another group (a
+            # state, a window) does not serve that block's end, a hit may lie inside it.
+            inner = sorted({*inner, *keys.inner_candidates(0)})
+        inner_ends.append(inner)
     second_refs = [keys.probe_refs(ends, blocks=False) for keys, ends in zip(prompts, inner_ends, strict=True)]
     asked_twice = any(second_refs)
     more = _ask(exists, second_refs) if asked_twice else [frozenset() for _ in prompts]

@@ -227,3 +227,21 @@ def test_a_hybrid_watermark_stops_only_where_every_state_group_has_a_state():
     assert watermark("r", None, 85, stored_tail, 0.0, state_groups=(1,)).durable_offset == 0
     assert watermark("r", None, 85, [*stored_tail, state_85], 0.0, state_groups=(1,)).durable_offset == 85
     assert watermark("r", None, 85, stored_tail, 0.0).durable_offset == 85  # a plain model: no state group
+
+
+def test_a_batched_lookup_finds_a_hit_inside_a_first_block_whose_end_has_no_state():
+    """A batch asks most prompts' first-block candidates only in its second query: where the first
+    block is stored but its end serves no hit (no state there), those candidates are asked then, so
+    every prompt of the batch finds what it would alone."""
+    from connector.search import find_stored_prefixes
+
+    tokens = list(range(2000, 2100))
+    store = KeySet()
+    store.publish(tokens[:10], MAMBA)  # a sub-block prompt: its tail and state at 10
+    store.publish(tokens[:80], MAMBA)  # blocks 0 and 1, a tail and a state at 80: no state at 32
+    prompt = tokens[:32] + list(range(9000, 9020))
+    alone = find_stored_prefix(keys_for(prompt, MAMBA), store.exists)
+    assert (alone.tokens, alone.hit_tokens) == (10, 10)
+    batch = [keys_for(list(range(5000 + 100 * i, 5060 + 100 * i)), MAMBA) for i in range(3)]
+    found = find_stored_prefixes([*batch, keys_for(prompt, MAMBA)], store.exists)
+    assert (found[-1].tokens, found[-1].hit_tokens) == (10, 10)
