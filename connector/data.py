@@ -72,6 +72,11 @@ class RequestSave:
     def watermark_id(self) -> str:
         return answer_watermark_id(self.req_id) if self.answer else prompt_watermark_id(self.req_id, self.turn)
 
+    @property
+    def is_prompt_save(self) -> bool:
+        """A save of the prompt's own objects (those an answer save takes as covered: ``unsaved``)."""
+        return not (self.answer or self.checkpoint)
+
 
 def answer_watermark_id(req_id: str) -> str:
     """The id an answer save's watermark records are keyed by (the prompt's save has the request's)."""

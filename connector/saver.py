@@ -174,6 +174,7 @@ class Saver:
             except Exception:  # noqa: BLE001 - a bug must cost this save, never every later one
                 logger.exception("kvtool: a save failed unexpectedly; it is dropped")
                 self.stats.add("saves_crashed")
+                self.note_unsaved(job.save)
             finally:
                 job.release_lease()  # a no-op when _run gave it up
 
@@ -192,7 +193,6 @@ class Saver:
         finally:
             job.release_lease()  # a put still running in the client holds it until it returns
         pointers: list[tuple[str, bytes]] = []
-        unstored = False
         for copy, found in zip(copies, present, strict=True):
             outcome = "present" if found else DROPPED_SHUTDOWN if stopping else outcomes[copy.key].value
             if outcome == PutOutcome.STORED.value:
@@ -200,9 +200,8 @@ class Saver:
                 pointers += copy.pointers()
             job.settle(copy.transfer_number, outcome)
             self.stats.add(f"saves_{outcome}")
-            unstored = unstored or outcome not in ("present", PutOutcome.STORED.value)
-        if unstored and not job.save.answer:
-            self._unsaved.append(job.save.req_id)
+        if any(o.outcome not in ("present", PutOutcome.STORED.value) for o in job.objects):
+            self.note_unsaved(job.save)  # a put failed, objects past the budget, or one gone since its lookup
         job.copies = []
         if pointers and not self._stopping():
             self._put_pointers(pointers)
@@ -268,7 +267,9 @@ class Saver:
         if self._stopping() or job.save.checkpoint:
             return
         outcome = self._put(job.watermark_key(seq), job.record().encode())
-        if outcome is PutOutcome.FAILED and seq == SEQ_FINAL and not self._stopping() and not self._store_down():
+        if outcome is not PutOutcome.FAILED:
+            self._retry_failed_at = None  # the store answers again: a later failure gets its second try
+        elif seq == SEQ_FINAL and not self._stopping() and not self._store_down():
             # The final record says the save ended (readers wait for it): one put that stalled just before
             # (Mooncake TCP's first transfer to a segment, 30 s) opens the breaker, which skipped it. Once
             # more, past the breaker's first back-off, on this thread (the engine never waits for it).
@@ -300,8 +301,13 @@ class Saver:
     def take_stats(self) -> dict[str, int]:
         return self.stats.take()
 
+    def note_unsaved(self, save: RequestSave) -> None:
+        """A prompt save that left objects unstored (any thread): ``take_unsaved`` reports its request."""
+        if save.is_prompt_save:
+            self._unsaved.append(save.req_id)
+
     def take_unsaved(self) -> frozenset[str]:
-        """Requests whose prompt save, since the last call, left an object it copied unstored."""
+        """Requests whose prompt save, since the last call, left objects unstored (``note_unsaved``)."""
         taken = set()
         while self._unsaved:
             taken.add(self._unsaved.popleft())

@@ -360,8 +360,12 @@ class WorkerSide:
         assert self._saver is not None
         if self._breaker is not None and self._breaker.is_open:
             self.stats.add("saves_skipped_breaker")  # no copy made: the store is failing
+            self._saver.note_unsaved(save)
             return None
-        return self._saver.admit(len(save.transfers))
+        lease = self._saver.admit(len(save.transfers))
+        if lease is None:
+            self._saver.note_unsaved(save)
+        return lease
 
     def _copy_saves(self, admitted: list[tuple[RequestSave, Lease]]) -> None:
         for save, lease in admitted:
@@ -370,6 +374,7 @@ class WorkerSide:
             except Exception:  # noqa: BLE001 - a bug costs this save, never the engine
                 lease.release()
                 self.stats.add("saves_crashed")
+                self._saver.note_unsaved(save)
                 logger.exception("kvtool: copying a save's blocks failed; it is dropped")
 
     def _snapshot(self, save: RequestSave, lease: Lease) -> None:

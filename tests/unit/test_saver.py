@@ -64,6 +64,7 @@ def test_saves_beyond_the_budget_are_dropped_and_counted_and_the_engine_never_wa
     assert stats["saves_dropped_budget"] == 1 and stats["save_objects_dropped_budget"] == 4
     assert stats["saves_stored"] == 3
     assert side._saver.held_bytes == 0
+    assert side.take_worker_meta().unsaved == {"b"}  # its answer save, if any, puts its objects
 
 
 def test_a_save_that_half_fits_keeps_its_leading_blocks_and_its_watermark_stops_there():
@@ -77,6 +78,7 @@ def test_a_save_that_half_fits_keeps_its_leading_blocks_and_its_watermark_stops_
     assert (final.state, final.durable_offset, final.tail_durable) == (SaveState.FAILED, 64, False)
     assert "dropped_budget" in final.reason
     assert not any("/t/" in key for key in store.objects)
+    assert side.take_worker_meta().unsaved == {"a"}
 
 
 def test_a_save_is_durable_only_up_to_its_first_failed_put():
@@ -162,6 +164,7 @@ def test_an_open_breaker_skips_saves_without_copying():
     side.shutdown()
     assert side.take_stats() == {"saves_skipped_breaker": 1}
     assert store.objects == {}
+    assert side.take_worker_meta().unsaved == {"a"}
 
 
 class Clock:
@@ -325,32 +328,33 @@ def test_a_store_that_refuses_final_records_twice_is_not_tried_twice_again(monke
 
     monkeypatch.setattr(module, "FINAL_RECORD_RETRY_S", 0.0)
 
-    class RefusesFinalRecords(ScriptedStore):
-        tries = 0
+    class RefusesRecords(ScriptedStore):
+        tries = 0  # of final records
 
         def put(self, key, value):
-            if "/w/" in key and key.endswith("/1"):
-                self.tries += 1
+            if "/w/" in key:  # down for every record (a put that works says the store is back)
+                self.tries += key.endswith("/1")
                 raise StoreError("the store is down")
             return super().put(key, value)
 
-    store = RefusesFinalRecords()
+    store = RefusesRecords()
     side = WorkerSide(NS, store, config(), saves_enabled=True)
     side.register_kv_caches(kv_caches("random"), [LAYERS], NUM_BLOCKS)
     side.wait_for_save(KVToolMetadata(saves=[prompt_save("a", 0, 85, [1, 2, 3])]))
     side.wait_for_save(KVToolMetadata(saves=[prompt_save("b", 0, 85, [4, 5, 6])]))
     side.shutdown()
     assert store.tries == 3  # the first save's two tries, the second's one
-    assert side.take_stats()["watermarks_failed"] == 2
+    assert side.take_stats()["watermarks_failed"] == 4  # pending and final records of both saves
 
 
-def test_saves_whose_objects_are_all_stored_and_answer_saves_are_not_reported_unsaved():
+def test_saves_whose_objects_are_all_stored_answer_saves_and_checkpoints_are_not_reported_unsaved():
     store = ScriptedStore()
     store.put_outcome_for = lambda key: PutOutcome.NO_SPACE if "/b/" in key else PutOutcome.STORED
     side = WorkerSide(NS, store, config(), saves_enabled=True)
     side.register_kv_caches(kv_caches("random"), [LAYERS], NUM_BLOCKS)
     answer = replace(prompt_save("b", 0, 85, [1, 2, 3]), answer=True)  # an answer save's failures: its own
-    side.wait_for_save(KVToolMetadata(saves=[answer]))
+    checkpoint = replace(prompt_save("d", 0, 85, [7, 8, 9]), checkpoint=True)  # a state short of the prompt
+    side.wait_for_save(KVToolMetadata(saves=[answer, checkpoint]))
     store.put_outcome_for = lambda key: PutOutcome.STORED
     side.wait_for_save(KVToolMetadata(saves=[prompt_save("c", 0, 85, [4, 5, 6])]))
     side.shutdown()
