@@ -36,12 +36,18 @@ def plan_answer_save(
         stats.add("answer_saves_skipped_loading")
         return None
     in_flight = getattr(request, "num_in_flight_tokens", 0)
-    if in_flight and has_state_group:
-        # A step still in flight has moved the running state past the last final token: no state
-        # for the answer's end, and without it no hit can use the answer's other objects.
-        stats.add("answer_saves_skipped_in_flight")
-        return None
     computed = request.num_computed_tokens - in_flight
+    if in_flight and has_state_group:
+        # Async scheduling, a request stopped by its last sampled token (an EOS): the step in flight
+        # computes that token, moving the running state past the answer's other tokens. It is the last
+        # step the worker runs before the one that copies this save (steps run in order; vLLM holds the
+        # blocks until the copy), so the save takes the whole answer, that token's KV and state included.
+        # Anything else in flight (drafts, a stale share after a preemption) leaves no state to save.
+        whole = len(tracked.keys.tokens) + len(getattr(request, "output_token_ids", ()))
+        if in_flight != 1 or getattr(request, "num_stale_output_tokens", 0) or request.num_computed_tokens != whole:
+            stats.add("answer_saves_skipped_in_flight")
+            return None
+        computed = request.num_computed_tokens
     done = len(tracked.keys.tokens) if tracked.save_scheduled else 0
     if computed <= max(done, 1):
         return None

@@ -53,7 +53,10 @@ COUNTERS: dict[str, str] = {
     "state_checkpoints": "Mamba state objects saved at block boundaries inside a prompt",
     "answer_saves": "saves of prompt + answer at request end",
     "answer_saves_skipped_loading": "answer saves skipped: the request ended while its load still filled its blocks",
-    "answer_saves_skipped_in_flight": "answer saves skipped: a step in flight had moved the Mamba state on",
+    "answer_saves_skipped_in_flight": (
+        "answer saves skipped on a Mamba model: more than the last sampled token's step in flight "
+        "(draft tokens, a stale share after a preemption) had moved the state on"
+    ),
     "block_copies_repaired": "vLLM copy-on-write block copies redone whole (hybrid models)",
     # the store (connector/instrumented.py counts every call by wrapping the store interface)
     "store_calls_<call>": "store calls made, by kind (exists, get, put)",

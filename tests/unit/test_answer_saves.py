@@ -129,14 +129,33 @@ def test_a_mamba_answer_saves_the_running_state_from_the_block_of_its_last_compu
     assert all(t.chain_hash == keys_of(PROMPT + ANSWER).chain_hash(t.token_end) for t in save.transfers)
 
 
-def test_a_mamba_answer_with_a_step_in_flight_saves_nothing():
+def test_a_mamba_answer_stopped_with_a_step_in_flight_saves_its_last_token_too():
+    """Async scheduling: the request stopped on its last sampled token while the step computing that
+    token was in flight; it has run when the worker copies the save, so the state is after every token."""
     groups = (CacheGroup(0, GroupKind.STATE, 32), CacheGroup(1, GroupKind.FULL, 32))
     side = engine(ScriptedStore(), groups=groups)
     req = decoded(PROMPT, ANSWER)
-    req.num_in_flight_tokens = 1  # async scheduling: the running state is a step ahead
+    req.num_computed_tokens, req.num_in_flight_tokens = len(PROMPT) + len(ANSWER), 1
     side.get_num_new_matched_tokens(req, 0)
-    assert side.request_finished(req, ([0, 0, 0, 4], [10, 11, 12, 13]))[0] is False
-    assert side.stats["answer_saves_skipped_in_flight"] == 1
+    assert side.request_finished(req, ([0, 0, 0, 4], [10, 11, 12, 13]))[0] is True
+    (save,) = side.build_connector_meta(step()).saves
+    whole = len(PROMPT) + len(ANSWER)
+    assert save.prompt_tokens == whole
+    assert [(t.block_id, t.token_end) for t in save.transfers if t.group == 0] == [(4, whole)]
+    assert [t.token_end for t in save.transfers if t.group == 1] == [32, 64, 96, whole]
+    assert all(t.chain_hash == keys_of(PROMPT + ANSWER).chain_hash(t.token_end) for t in save.transfers)
+
+
+def test_a_mamba_answer_with_anything_else_in_flight_saves_nothing():
+    groups = (CacheGroup(0, GroupKind.STATE, 32), CacheGroup(1, GroupKind.FULL, 32))
+    side = engine(ScriptedStore(), groups=groups)
+    for number, (in_flight, stale) in enumerate([(3, 0), (1, 1)]):  # drafts; a stale share after a preemption
+        req = decoded(PROMPT, ANSWER, f"r{number}")
+        req.num_computed_tokens = len(PROMPT) + len(ANSWER) - 1 + in_flight
+        req.num_in_flight_tokens, req.num_stale_output_tokens = in_flight, stale
+        side.get_num_new_matched_tokens(req, 0)
+        assert side.request_finished(req, ([0, 0, 0, 4], [10, 11, 12, 13]))[0] is False
+    assert side.stats["answer_saves_skipped_in_flight"] == 2
 
 
 def test_a_sliding_window_answer_skips_the_blocks_its_window_left():
