@@ -189,9 +189,10 @@ def state_reuse_warnings(
     unit = prefix_match_unit or groups[0].block_size
     if saves and unit > 1:
         warnings.append(
-            f"this engine's prefill stops every {unit} tokens (--prefix-match-unit, else the block size), so "
-            f"it saves the state short of a prompt at the last multiple of {unit} below its length: the same "
-            f"prompt sent again reuses only up to there; give the engine --prefix-match-unit 1"
+            f"this engine's prefill stops at block boundaries and at one checkpoint, the last multiple of "
+            f"{unit} (--prefix-match-unit, else the block size) below a prompt's length, so it saves no state "
+            f"one token short of the prompt: the same prompt sent again reuses only up to that checkpoint; "
+            f"give the engine --prefix-match-unit 1"
         )
     return warnings
 

@@ -171,5 +171,5 @@ def test_a_mamba_configuration_that_loses_reuse_is_said_at_start_up():
     (grid,) = state_reuse_warnings(hybrid, 16, 1, saves=False)
     assert "hash_unit 16" in grid and "hash_unit: 1" in grid
     (stops,) = state_reuse_warnings(hybrid, 1, None, saves=True)
-    assert "every 64 tokens" in stops and "--prefix-match-unit 1" in stops
-    assert "every 16 tokens" in state_reuse_warnings(hybrid, 1, 16, saves=True)[0]
+    assert "last multiple of 64" in stops and "--prefix-match-unit 1" in stops
+    assert "last multiple of 16" in state_reuse_warnings(hybrid, 1, 16, saves=True)[0]
