@@ -264,11 +264,18 @@ def tail_save_after_a_lookup():
     return planned, save
 
 
-def saved_with(store, save):
+def saved_side(store, *steps):
+    """A worker that saved each step's saves into ``store``, shut down (every put done)."""
     side = WorkerSide(NS, store, config(), saves_enabled=True)
     side.register_kv_caches(kv_caches("random"), [LAYERS], NUM_BLOCKS)
-    side.wait_for_save(KVToolMetadata(saves=[save]))
+    for saves in steps:
+        side.wait_for_save(KVToolMetadata(saves=list(saves)))
     side.shutdown()
+    return side
+
+
+def saved_with(store, save):
+    side = saved_side(store, [save])
     return records(store)[1], side.take_stats()
 
 
@@ -310,10 +317,7 @@ def test_a_final_record_the_breaker_skipped_once_is_put_again(monkeypatch):
             return super().put(key, value)
 
     store = SkipsTheFirstFinalRecord()
-    side = WorkerSide(NS, store, config(), saves_enabled=True)
-    side.register_kv_caches(kv_caches("random"), [LAYERS], NUM_BLOCKS)
-    side.wait_for_save(KVToolMetadata(saves=[prompt_save("a", 0, 85, [1, 2, 3])]))
-    side.shutdown()
+    side = saved_side(store, [prompt_save("a", 0, 85, [1, 2, 3])])
     assert store.skipped == 1
     final = records(store)[1]
     assert (final.state, final.durable_offset) == (SaveState.DURABLE, 85)
@@ -338,25 +342,18 @@ def test_a_store_that_refuses_final_records_twice_is_not_tried_twice_again(monke
             return super().put(key, value)
 
     store = RefusesRecords()
-    side = WorkerSide(NS, store, config(), saves_enabled=True)
-    side.register_kv_caches(kv_caches("random"), [LAYERS], NUM_BLOCKS)
-    side.wait_for_save(KVToolMetadata(saves=[prompt_save("a", 0, 85, [1, 2, 3])]))
-    side.wait_for_save(KVToolMetadata(saves=[prompt_save("b", 0, 85, [4, 5, 6])]))
-    side.shutdown()
+    side = saved_side(store, [prompt_save("a", 0, 85, [1, 2, 3])], [prompt_save("b", 0, 85, [4, 5, 6])])
     assert store.tries == 3  # the first save's two tries, the second's one
     assert side.take_stats()["watermarks_failed"] == 4  # pending and final records of both saves
 
 
 def test_saves_whose_objects_are_all_stored_answer_saves_and_checkpoints_are_not_reported_unsaved():
-    store = ScriptedStore()
-    store.put_outcome_for = lambda key: PutOutcome.NO_SPACE if "/b/" in key else PutOutcome.STORED
-    side = WorkerSide(NS, store, config(), saves_enabled=True)
-    side.register_kv_caches(kv_caches("random"), [LAYERS], NUM_BLOCKS)
+    failing = ScriptedStore()
+    failing.put_outcome_for = lambda key: PutOutcome.NO_SPACE if "/b/" in key else PutOutcome.STORED
     answer = replace(prompt_save("b", 0, 85, [1, 2, 3]), answer=True)  # an answer save's failures: its own
     checkpoint = replace(prompt_save("d", 0, 85, [7, 8, 9]), checkpoint=True)  # a state short of the prompt
-    side.wait_for_save(KVToolMetadata(saves=[answer, checkpoint]))
-    store.put_outcome_for = lambda key: PutOutcome.STORED
-    side.wait_for_save(KVToolMetadata(saves=[prompt_save("c", 0, 85, [4, 5, 6])]))
-    side.shutdown()
-    meta = side.take_worker_meta()
-    assert meta is None or not meta.unsaved
+    refused = saved_side(failing, [answer, checkpoint])
+    assert refused.take_stats()["saves_no_space"] > 0  # their puts did fail
+    for side in (refused, saved_side(ScriptedStore(), [prompt_save("c", 0, 85, [4, 5, 6])])):
+        meta = side.take_worker_meta()
+        assert meta is None or not meta.unsaved
