@@ -143,12 +143,13 @@ def tail_hashes(
     if not boundaries:
         return []
     tail_start = (boundaries[0] // block_size) * block_size
-    if any(b // block_size * block_size != tail_start or b == tail_start or b > len(tokens) for b in boundaries):
+    low, high = min(boundaries), max(boundaries)  # every boundary strictly inside the block, none past the end
+    if low <= tail_start or high >= tail_start + block_size or high > len(tokens):
         raise ValueError(f"boundaries {list(boundaries)} are not all inside one block of the {len(tokens)} tokens")
     if packed is None:
-        packed = _token_bytes(tokens[tail_start : max(boundaries)])
+        packed = _token_bytes(tokens[tail_start:high])
     else:
-        packed = memoryview(packed)[4 * tail_start : 4 * max(boundaries)]
+        packed = memoryview(packed)[4 * tail_start : 4 * high]
     prefix = hashlib.blake2b(digest_size=HASH_BYTES)
     for part in (_TAIL_TAG, parent):
         prefix.update(struct.pack("<I", len(part)))

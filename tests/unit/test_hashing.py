@@ -178,3 +178,19 @@ def test_tail_hashes_refuse_boundaries_outside_one_block():
     for boundaries in ([16], [3, 17], [41]):
         with pytest.raises(ValueError):
             tail_hashes(tokens, boundaries, 16, bytes(16))
+
+
+@given(
+    boundaries=st.lists(st.integers(0, 70), min_size=1, max_size=6),
+    block_size=st.integers(1, 16),
+    length=st.integers(0, 64),
+)
+def test_tail_hashes_refuse_exactly_the_boundaries_tail_hash_refuses(boundaries, block_size, length):
+    tokens = list(range(length))
+    start = boundaries[0] // block_size * block_size
+    valid = all(b // block_size * block_size == start and b != start and b <= length for b in boundaries)
+    if valid:
+        assert len(tail_hashes(tokens, boundaries, block_size, bytes(16))) == len(boundaries)
+    else:
+        with pytest.raises(ValueError):
+            tail_hashes(tokens, boundaries, block_size, bytes(16))
