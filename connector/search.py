@@ -108,6 +108,13 @@ def all_full(keys: PromptKeys) -> bool:
     return all(group.kind is GroupKind.FULL for group in keys.groups)
 
 
+def _plain_hit(keys: PromptKeys, ends: Sequence[int], found: frozenset[str]) -> int:
+    """The hit the first query's objects make without its pointers (which a pointer round may drop):
+    the lookup's hit is no shorter."""
+    plain = frozenset(key for key in found if (ref := keys.ref_of(key)) is None or ref.kind is not KeyKind.POINTER)
+    return _longest(keys, ends, plain)[1]
+
+
 def _chain_blocks(keys: PromptKeys, ends: Sequence[int], present: frozenset[str]) -> int:
     """How many leading blocks are stored: where a stored shorter prompt may end, inside the next one.
 
@@ -150,9 +157,9 @@ def find_stored_prefixes(
         block = _chain_blocks(keys, ends, found)
         asked = block == length // keys.block_size or (block == 0 and first)
         inner = [] if asked else keys.inner_candidates(block)
-        if block and not first and not all_full(keys) and not keys.served(found).serves(keys.block_size):
+        if block and not first and not all_full(keys) and _plain_hit(keys, ends, found) < keys.block_size:
             # Alone, its first query would have asked the first block's ends: where another group (a
-            # state, a window) does not serve that block's end, a hit may lie inside it.
+            # state, a window) leaves no hit of a whole block or more, a hit may lie inside the first.
             inner = sorted({*inner, *keys.inner_candidates(0)})
         inner_ends.append(inner)
     second_refs = [keys.probe_refs(ends, blocks=False) for keys, ends in zip(prompts, inner_ends, strict=True)]

@@ -245,3 +245,33 @@ def test_a_batched_lookup_finds_a_hit_inside_a_first_block_whose_end_has_no_stat
     batch = [keys_for(list(range(5000 + 100 * i, 5060 + 100 * i)), MAMBA) for i in range(3)]
     found = find_stored_prefixes([*batch, keys_for(prompt, MAMBA)], store.exists)
     assert (found[-1].tokens, found[-1].hit_tokens) == (10, 10)
+
+
+def test_a_batched_lookup_of_a_one_block_prompt_finds_the_hit_short_of_it():
+    """Its first block is stored and served, but a hit must stop short of the prompt, where no state is:
+    the hit inside the block, as alone."""
+    from connector.search import find_stored_prefixes
+
+    tokens = list(range(3000, 3100))
+    store = KeySet()
+    store.publish(tokens[:16], MAMBA)
+    store.publish(tokens[:32], MAMBA)
+    prompt = tokens[:32]
+    alone = find_stored_prefix(keys_for(prompt, MAMBA), store.exists)
+    assert (alone.tokens, alone.hit_tokens) == (32, 16)
+    batch = [keys_for(list(range(5000 + 100 * i, 5060 + 100 * i)), MAMBA) for i in range(3)]
+    found = find_stored_prefixes([*batch, keys_for(prompt, MAMBA)], store.exists)
+    assert (found[-1].tokens, found[-1].hit_tokens) == (32, 16)
+
+
+def test_a_batched_mamba_lookup_with_a_whole_block_hit_asks_nothing_more():
+    """A hit of a whole block or more found by the first query: the first block's ends are not asked
+    (they cannot make a longer hit), so a repeated prompt still takes one query."""
+    from connector.search import find_stored_prefixes
+
+    tokens = list(range(4000, 4100))
+    store = KeySet()
+    store.publish(tokens[:99], MAMBA)  # the prompt less its last token: its state is the hit's
+    batch = [keys_for(list(range(5000 + 100 * i, 5060 + 100 * i)), MAMBA) for i in range(3)]
+    found = find_stored_prefixes([*batch, keys_for(tokens, MAMBA)], store.exists)
+    assert (found[-1].tokens, found[-1].hit_tokens, found[-1].queries) == (99, 99, 1)
