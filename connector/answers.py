@@ -55,7 +55,8 @@ def plan_answer_save(
     tokens = [*tracked.keys.tokens, *getattr(request, "output_token_ids", ())][:computed]
     keys = space.keys(tokens, tracked.keys.root)
     stored = tracked.stored.present if tracked.stored is not None and tracked.load_failure is None else frozenset()
-    known = stored | tracked.saved_keys
+    # Where the prompt's save left objects unstored, none is taken as stored: the put asks the store again.
+    known = frozenset() if tracked.prompt_unsaved else stored | tracked.saved_keys
     usable, found = [], []
     for ref in plan_save(keys):
         ids = block_ids[ref.group] if ref.group < len(block_ids) else []

@@ -415,7 +415,7 @@ class SchedulerSide:
                 tracked.load_failure = failure
         for req_id in getattr(worker_meta, "unsaved", ()):
             if (tracked := self._tracked.get(req_id)) is not None:  # its answer save puts them again
-                tracked.saved_keys = frozenset()
+                tracked.prompt_unsaved = True
 
     def take_stats(self) -> dict[str, int]:
         taken = self.stats.take() | (self._lookups.take_stats() if self._lookups is not None else {})

@@ -97,6 +97,9 @@ class TrackedRequest:
     load_failure: tuple[int, str] | None = None  # (first token recomputed, cause)
     load_skipped: str | None = None  # the cost model's reason for not taking all of the hit
     saved_keys: frozenset[str] = frozenset()  # object keys the prompt's saves copied for their puts
+    # Its prompt save left objects unstored (``KVToolWorkerMeta.unsaved``): its answer save takes none of
+    # the prompt's objects as stored (neither its saves' nor its lookup's) and asks the store again.
+    prompt_unsaved: bool = False
     loading: bool = False  # a load into its blocks is in flight (planned, not yet reported received)
     answer_tokens: int = 0
     answer_objects: int = 0

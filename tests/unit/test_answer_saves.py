@@ -96,6 +96,25 @@ def test_an_answer_save_puts_again_the_prompt_objects_its_prompt_save_left_unsto
     assert [t.token_end for t in answer.transfers] == [32, 64, 96, 104]
 
 
+def test_objects_a_lookup_found_are_not_taken_as_stored_once_the_prompt_save_found_them_gone():
+    """The put thread's recheck found an object the lookup had found evicted since: the answer save
+    asks the store again for every object of the prompt, those its lookup found included."""
+    from connector.data import KVToolWorkerMeta
+
+    store = ScriptedStore()
+    publish(store, PROMPT)  # 85 tokens: blocks 32 and 64, the tail at 85
+    side = engine(store)
+    req = decoded(PROMPT, ANSWER)
+    assert lookup(side, req) == (84, True)
+    allocate(side, req, 84)
+    side.build_connector_meta(step())
+    side.record_transfers({"r1"}, None)
+    side.record_worker_meta(KVToolWorkerMeta(unsaved=frozenset({"r1"})))
+    assert side.request_finished(req, ([10, 11, 12, 13],))[0]
+    (answer,) = side.build_connector_meta(step()).saves
+    assert [t.token_end for t in answer.transfers] == [32, 64, 96, 104] and answer.already_stored == ()
+
+
 def test_nothing_to_save_holds_no_block():
     store = ScriptedStore()
     side = engine(store)
