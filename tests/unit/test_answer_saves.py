@@ -42,8 +42,8 @@ def keys_of(tokens):
     return PromptKeys.build(tokens, 32, 1, NS.key_component(), RequestIdentity().root_hash())
 
 
-def test_a_consumer_saves_the_blocks_the_answer_filled_and_its_exact_tail_not_what_it_loaded():
-    store = ScriptedStore()
+def loaded_consumer(store):
+    """A consumer whose request loaded the stored 85-token prompt (84 tokens) and then decoded ANSWER."""
     publish(store, PROMPT)  # 85 tokens: blocks 32 and 64, the tail at 85
     side = engine(store)
     req = decoded(PROMPT, ANSWER)
@@ -51,6 +51,12 @@ def test_a_consumer_saves_the_blocks_the_answer_filled_and_its_exact_tail_not_wh
     allocate(side, req, 84)
     side.build_connector_meta(step())
     side.record_transfers({"r1"}, None)  # the worker reported the load received
+    return side, req
+
+
+def test_a_consumer_saves_the_blocks_the_answer_filled_and_its_exact_tail_not_what_it_loaded():
+    store = ScriptedStore()
+    side, req = loaded_consumer(store)
     hold, params = side.request_finished(req, ([10, 11, 12, 13],))
     assert hold is True  # vLLM keeps the blocks until the worker reports the copy
     assert side.has_pending_block_frees()  # vLLM waits a step for them rather than preempt
@@ -101,14 +107,7 @@ def test_objects_a_lookup_found_are_not_taken_as_stored_once_the_prompt_save_fou
     asks the store again for every object of the prompt, those its lookup found included."""
     from connector.data import KVToolWorkerMeta
 
-    store = ScriptedStore()
-    publish(store, PROMPT)  # 85 tokens: blocks 32 and 64, the tail at 85
-    side = engine(store)
-    req = decoded(PROMPT, ANSWER)
-    assert lookup(side, req) == (84, True)
-    allocate(side, req, 84)
-    side.build_connector_meta(step())
-    side.record_transfers({"r1"}, None)
+    side, req = loaded_consumer(ScriptedStore())
     side.record_worker_meta(KVToolWorkerMeta(unsaved=frozenset({"r1"})))
     assert side.request_finished(req, ([10, 11, 12, 13],))[0]
     (answer,) = side.build_connector_meta(step()).saves

@@ -229,49 +229,46 @@ def test_a_hybrid_watermark_stops_only_where_every_state_group_has_a_state():
     assert watermark("r", None, 85, stored_tail, 0.0).durable_offset == 85  # a plain model: no state group
 
 
+def alone_and_batched(store, prompt, groups=MAMBA):
+    """``prompt``'s lookup alone, and as the fourth prompt of a batch (past the batch's first-block probe
+    budget, ``search._first_block_probes``): (alone, batched)."""
+    from connector.search import find_stored_prefixes
+
+    batch = [keys_for(list(range(5000 + 100 * i, 5060 + 100 * i)), groups) for i in range(3)]
+    alone = find_stored_prefix(keys_for(prompt, groups), store.exists)
+    return alone, find_stored_prefixes([*batch, keys_for(prompt, groups)], store.exists)[-1]
+
+
 def test_a_batched_lookup_finds_a_hit_inside_a_first_block_whose_end_has_no_state():
     """A batch asks most prompts' first-block candidates only in its second query: where the first
     block is stored but its end serves no hit (no state there), those candidates are asked then, so
     every prompt of the batch finds what it would alone."""
-    from connector.search import find_stored_prefixes
-
     tokens = list(range(2000, 2100))
     store = KeySet()
     store.publish(tokens[:10], MAMBA)  # a sub-block prompt: its tail and state at 10
     store.publish(tokens[:80], MAMBA)  # blocks 0 and 1, a tail and a state at 80: no state at 32
-    prompt = tokens[:32] + list(range(9000, 9020))
-    alone = find_stored_prefix(keys_for(prompt, MAMBA), store.exists)
+    alone, batched = alone_and_batched(store, tokens[:32] + list(range(9000, 9020)))
     assert (alone.tokens, alone.hit_tokens) == (10, 10)
-    batch = [keys_for(list(range(5000 + 100 * i, 5060 + 100 * i)), MAMBA) for i in range(3)]
-    found = find_stored_prefixes([*batch, keys_for(prompt, MAMBA)], store.exists)
-    assert (found[-1].tokens, found[-1].hit_tokens) == (10, 10)
+    assert (batched.tokens, batched.hit_tokens) == (10, 10)
 
 
 def test_a_batched_lookup_of_a_one_block_prompt_finds_the_hit_short_of_it():
     """Its first block is stored and served, but a hit must stop short of the prompt, where no state is:
     the hit inside the block, as alone."""
-    from connector.search import find_stored_prefixes
-
     tokens = list(range(3000, 3100))
     store = KeySet()
     store.publish(tokens[:16], MAMBA)
     store.publish(tokens[:32], MAMBA)
-    prompt = tokens[:32]
-    alone = find_stored_prefix(keys_for(prompt, MAMBA), store.exists)
+    alone, batched = alone_and_batched(store, tokens[:32])
     assert (alone.tokens, alone.hit_tokens) == (32, 16)
-    batch = [keys_for(list(range(5000 + 100 * i, 5060 + 100 * i)), MAMBA) for i in range(3)]
-    found = find_stored_prefixes([*batch, keys_for(prompt, MAMBA)], store.exists)
-    assert (found[-1].tokens, found[-1].hit_tokens) == (32, 16)
+    assert (batched.tokens, batched.hit_tokens) == (32, 16)
 
 
 def test_a_batched_mamba_lookup_with_a_whole_block_hit_asks_nothing_more():
     """A hit of a whole block or more found by the first query: the first block's ends are not asked
     (they cannot make a longer hit), so a repeated prompt still takes one query."""
-    from connector.search import find_stored_prefixes
-
     tokens = list(range(4000, 4100))
     store = KeySet()
     store.publish(tokens[:99], MAMBA)  # the prompt less its last token: its state is the hit's
-    batch = [keys_for(list(range(5000 + 100 * i, 5060 + 100 * i)), MAMBA) for i in range(3)]
-    found = find_stored_prefixes([*batch, keys_for(tokens, MAMBA)], store.exists)
-    assert (found[-1].tokens, found[-1].hit_tokens, found[-1].queries) == (99, 99, 1)
+    _, batched = alone_and_batched(store, tokens)
+    assert (batched.tokens, batched.hit_tokens, batched.queries) == (99, 99, 1)
