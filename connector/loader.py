@@ -33,6 +33,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 from .calls import BoundedCalls, StoreBusy, StoreError
 from .data import BlockTransfer, RequestLoad
@@ -206,7 +207,7 @@ class Loader:
                 size = count * area.slot_bytes
                 with self._lock:
                     self._oversize_held += size
-                give_back: Callable[[], None] = lambda size=size: self._oversize_done(size)  # noqa: E731
+                give_back: Callable[[], None] = partial(self._oversize_done, size)
                 fetcher = self._oversize_fetcher(store, entry, area, give_back)
             else:
                 assert lease is not None

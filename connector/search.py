@@ -103,7 +103,7 @@ def _first_round_ends(keys: PromptKeys, first_block: bool) -> list[int]:
     return sorted(ends)
 
 
-def all_full(keys: PromptKeys) -> bool:
+def _all_full(keys: PromptKeys) -> bool:
     """Every cache group keeps every block (no state, no window): a stored block serves its end."""
     return all(group.kind is GroupKind.FULL for group in keys.groups)
 
@@ -157,7 +157,7 @@ def find_stored_prefixes(
         block = _chain_blocks(keys, ends, found)
         asked = block == length // keys.block_size or (block == 0 and first)
         inner = [] if asked else keys.inner_candidates(block)
-        if block and not first and not all_full(keys) and _plain_hit(keys, ends, found) < keys.block_size:
+        if block and not first and not _all_full(keys) and _plain_hit(keys, ends, found) < keys.block_size:
             # Alone, its first query would have asked the first block's ends: where another group (a
             # state, a window) leaves no hit of a whole block or more, a hit may lie inside the first.
             inner = sorted({*inner, *keys.inner_candidates(0)})
