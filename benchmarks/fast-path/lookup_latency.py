@@ -4,7 +4,9 @@ Starts its own loopback ``mooncake_master``, stores prompts through the connecto
 then times ``find_stored_prefixes`` (what the lookup thread runs for one step's batch: keys, the
 existence queries, pointer reads) for batches of 1, 16 and 64 new requests. Half of each batch
 extends a stored prompt past a point inside one of its blocks (a divergence point: pointers are
-read), half is unseen. Wall ms per batch, p50 and p99 over ``--batches`` batches.
+read), half is unseen. Wall ms per batch, p50 and p99 over ``--batches`` batches. Beside it, the
+floor the master sets: the same existence queries (the same keys, in the same calls) sent straight
+through the Mooncake client's ``batch_is_exist`` right after each batch.
 
     .venv/bin/python benchmarks/fast-path/lookup_latency.py [--block-size 32] [--out FILE]
 """
@@ -52,13 +54,17 @@ def publish(store, keys: PromptKeys) -> None:
 
 
 class StoreClock:
-    """Wraps the store calls a lookup makes and adds up the time spent waiting for their answers."""
+    """Wraps the store calls a lookup makes and adds up the time spent waiting for their answers; keeps
+    the keys of each existence query (``raw_floor``)."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
+        self.queries: list[list[str]] = []
 
-    def timed(self, call):
+    def timed(self, call, record: bool = False):
         def wrapped(keys):
+            if record:
+                self.queries.append(list(keys))
             start = time.perf_counter()
             try:
                 return call(keys)
@@ -66,6 +72,21 @@ class StoreClock:
                 self.seconds += time.perf_counter() - start
 
         return wrapped
+
+
+def raw_client(store):
+    """The Mooncake client under the store stack (time-outs, faults): what the floor asks directly."""
+    while not hasattr(store, "_client"):
+        store = store._store  # noqa: SLF001 - a benchmark's look under the wrappers
+    return store._client  # noqa: SLF001
+
+
+def raw_floor(client, queries: list[list[str]]) -> float:
+    """ms the master takes to answer the same existence queries asked straight, one call each."""
+    start = time.perf_counter()
+    for keys in queries:
+        client.batch_is_exist(keys)
+    return (time.perf_counter() - start) * 1e3
 
 
 def new_batch(rng: random.Random, level: int, stored_prompts: list[list[int]], bs: int) -> list[list[int]]:
@@ -82,7 +103,7 @@ def new_batch(rng: random.Random, level: int, stored_prompts: list[list[int]], b
     return batch
 
 
-def summary(times: list[float], store_times: list[float]) -> dict[str, float]:
+def summary(times: list[float], store_times: list[float], floors: list[float], keys: list[int]) -> dict[str, float]:
     python = [total - waited for total, waited in zip(times, store_times, strict=True)]
     ordered = sorted(times)
     return {
@@ -92,6 +113,10 @@ def summary(times: list[float], store_times: list[float]) -> dict[str, float]:
         # the rest being the connector's Python (keys, search); p50 over the batches.
         "store_p50_ms": round(statistics.median(store_times), 2),
         "python_p50_ms": round(statistics.median(python), 2),
+        # The same existence queries sent straight to the master: no lookup over this store can be faster.
+        "raw_exists_p50_ms": round(statistics.median(floors), 2),
+        "raw_exists_p99_ms": round(sorted(floors)[min(len(floors) - 1, int(0.99 * len(floors)))], 2),
+        "keys_asked_p50": statistics.median(keys),
     }
 
 
@@ -125,19 +150,22 @@ def main() -> None:
         gc.collect()
         gc.freeze()
         clock = StoreClock()
-        exists = clock.timed(store.exists)
+        exists = clock.timed(store.exists, record=True)
+        client = raw_client(store)
         read = clock.timed(pointer_reader(store, config.lookup_timeout_s * POINTER_READ_SHARE, bs))
         results = {}
         for level in LEVELS:
-            times, store_times = [], []
+            times, store_times, floors, keys = [], [], [], []
             for _ in range(args.batches):
                 batch = new_batch(rng, level, stored_prompts, bs)
-                clock.seconds = 0.0
+                clock.seconds, clock.queries = 0.0, []
                 t0 = time.perf_counter()
                 find_stored_prefixes([keys_for(tokens) for tokens in batch], exists, read, config.extend_min_tokens)
                 times.append((time.perf_counter() - t0) * 1e3)
                 store_times.append(clock.seconds * 1e3)
-            results[str(level)] = summary(times, store_times)
+                floors.append(raw_floor(client, clock.queries))
+                keys.append(sum(len(query) for query in clock.queries))
+            results[str(level)] = summary(times, store_times, floors, keys)
             print(level, results[str(level)], flush=True)
         store.close()
     finally:
