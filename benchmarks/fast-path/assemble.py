@@ -65,7 +65,10 @@ def lookup_fields(latency: dict[str, Any] | None, cpu: dict[str, Any] | None) ->
     if latency is not None:
         p99 = {str(level): value for level, value in latency["lookup_p99_ms"].items()}
         met = all(value < 2.0 for value in p99.values())
-        fields["lookup_p99_ms"] = field(p99, "< 2 ms at 1, 16 and 64", met, "lookup_latency.json")
+        rows = latency["lookup_ms_by_batch"]
+        floor = {level: row["raw_exists_p99_ms"] for level, row in rows.items() if "raw_exists_p99_ms" in row}
+        note = f"the master's own p99 for the same existence queries, asked straight: {floor} ms" if floor else ""
+        fields["lookup_p99_ms"] = field(p99, "< 2 ms at 1, 16 and 64", met, "lookup_latency.json", note)
     if cpu is not None:
         at_256 = cpu["lookup_cpu_ms_by_prompt_tokens"]  # block 256, hash unit 1, a miss (the worst case)
         met = at_256.get("32768", 1e9) < 20.0
