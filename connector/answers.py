@@ -48,11 +48,16 @@ def plan_answer_save(
             stats.add("answer_saves_skipped_in_flight")
             return None
         computed = request.num_computed_tokens
+    # The prompt as it was hashed (vLLM zeroes prompt-embedding positions in all_token_ids), then the answer;
+    # no further than the tokens there are (a stop inside accepted drafts leaves KV computed past them).
+    tokens = [*tracked.keys.tokens, *getattr(request, "output_token_ids", ())][:computed]
+    if has_state_group and len(tokens) < computed:
+        stats.add("answer_saves_skipped_in_flight")  # the running state is past the answer's last token
+        return None
+    computed = len(tokens)
     done = len(tracked.keys.tokens) if tracked.save_scheduled else 0
     if computed <= max(done, 1):
         return None
-    # The prompt as it was hashed (vLLM zeroes prompt-embedding positions in all_token_ids), then the answer.
-    tokens = [*tracked.keys.tokens, *getattr(request, "output_token_ids", ())][:computed]
     keys = space.keys(tokens, tracked.keys.root)
     stored = tracked.stored.present if tracked.stored is not None and tracked.load_failure is None else frozenset()
     # Where the prompt's save left objects unstored, none is taken as stored: the put asks the store again.

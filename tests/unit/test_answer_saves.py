@@ -174,6 +174,12 @@ def test_a_mamba_answer_with_anything_else_in_flight_saves_nothing():
         side.get_num_new_matched_tokens(req, 0)
         assert side.request_finished(req, ([0, 0, 0, 4], [10, 11, 12, 13]))[0] is False
     assert side.stats["answer_saves_skipped_in_flight"] == 2
+    # A stop inside accepted drafts: the state ran past the answer's last token; no state names it.
+    req = decoded(PROMPT, ANSWER, "past")
+    req.num_computed_tokens = len(PROMPT) + len(ANSWER) + 2
+    side.get_num_new_matched_tokens(req, 0)
+    assert side.request_finished(req, ([0, 0, 0, 4], [10, 11, 12, 13]))[0] is False
+    assert side.stats["answer_saves_skipped_in_flight"] == 3
 
 
 def test_a_sliding_window_answer_skips_the_blocks_its_window_left():
@@ -267,6 +273,23 @@ def test_an_answer_save_never_names_tokens_still_in_flight():
     assert max(t.token_end for t in save.transfers) == final
     keys = keys_of(PROMPT + ANSWER)
     assert all(t.chain_hash == keys.chain_hash(t.token_end) for t in save.transfers)
+
+
+def test_an_answer_save_counts_no_token_past_the_answer_a_stop_inside_accepted_drafts_cut():
+    """A stop string inside accepted drafts cuts the answer but not num_computed_tokens: the save, its
+    record and the hit details count the tokens there are, not the KV computed past them."""
+    store = ScriptedStore()
+    side = engine(store)
+    req = decoded(PROMPT, ANSWER)
+    req.num_computed_tokens = len(PROMPT) + len(ANSWER) + 3  # three accepted drafts past the stop
+    assert lookup(side, req) == (0, False)
+    allocate(side, req, 0)
+    side.build_connector_meta(step())
+    _, params = side.request_finished(req, ([10, 11, 12, 13],))
+    (save,) = side.build_connector_meta(step()).saves
+    whole = len(PROMPT) + len(ANSWER)
+    assert params["kvtool"]["answer_tokens"] == whole == save.prompt_tokens
+    assert max(t.token_end for t in save.transfers) == whole
 
 
 def test_an_answer_saves_record_never_counts_prompt_blocks_its_prompt_save_failed_to_store():
