@@ -96,22 +96,22 @@ class _DaemonThreads:
         self._closed = False
 
     def submit(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        """Queue ``fn`` for a thread; a thread that cannot be started leaves nothing queued (the call is
+        refused, never run later behind the caller's back: a load's slots go to another load once its
+        call is refused)."""
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
-        with self._lock:
+        with self._lock:  # the queue's order is the lock's: no call lands behind ``shutdown``'s stops
             if self._closed:
                 raise RuntimeError("cannot schedule new calls after shutdown")
-            start = False
             if self._free:
                 self._free -= 1
             elif self._threads < self._limit:
+                name = f"{self._name}_{self._threads}"
+                threading.Thread(target=self._run, name=name, daemon=True).start()  # RuntimeError: refused
                 self._threads += 1
-                start = True
             else:
                 self._unclaimed += 1
-            number = self._threads
-        self._work.put((future, fn))
-        if start:
-            threading.Thread(target=self._run, name=f"{self._name}_{number - 1}", daemon=True).start()
+            self._work.put((future, fn))
         return future
 
     def _run(self) -> None:
@@ -136,9 +136,8 @@ class _DaemonThreads:
         """Refuse new calls; each idle thread ends, a busy one once its call returns."""
         with self._lock:
             self._closed = True
-            threads = self._threads
-        for _ in range(threads):
-            self._work.put(None)
+            for _ in range(self._threads):
+                self._work.put(None)
 
 
 def result_of(future: concurrent.futures.Future[T], timeout_s: float, what: str) -> T:

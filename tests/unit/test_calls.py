@@ -95,3 +95,53 @@ def test_shutdown_refuses_new_calls_and_ends_idle_threads():
             break
         time.sleep(0.01)
     assert not any(t.name.startswith("closing_") for t in threading.enumerate())
+
+
+def test_a_call_whose_thread_cannot_start_is_refused_and_never_runs_later(monkeypatch):
+    """The host refuses a thread (its thread limit, no memory): the call is a ``StoreError`` and nothing
+    is left queued, since its caller gives the call's staging slots to another load at once."""
+    release = threading.Event()
+    calls = BoundedCalls("refused", limit=3)
+    ran: list[str] = []
+    try:
+        stuck = calls.submit(release.wait, "holds the first thread")
+        start = threading.Thread.start
+
+        def refuse(self):
+            if self.name.startswith("refused_"):
+                raise RuntimeError("can't start new thread")
+            start(self)
+
+        monkeypatch.setattr(threading.Thread, "start", refuse)
+        with pytest.raises(StoreError, match="not started"):
+            calls.submit(lambda: ran.append("refused"), "a call with no thread")
+        assert calls.in_flight == 1
+        monkeypatch.setattr(threading.Thread, "start", start)
+        # Later calls get threads of their own and run; the refused one never does.
+        assert calls.call(lambda: ran.append("later") or 5, 5.0, "a later call") == 5
+        release.set()
+        assert stuck.result(timeout=5.0)
+        assert calls.call(lambda: 6, 5.0, "one more") == 6
+        assert ran == ["later"]
+    finally:
+        release.set()
+        calls.shutdown()
+
+
+def _submit_some(calls: BoundedCalls, futures: list, count: int = 20) -> None:
+    for _ in range(count):
+        try:
+            futures.append(calls.submit(lambda: 1, "a call"))
+        except StoreError:  # refused (every slot taken, or shut down)
+            pass
+
+
+def test_no_call_is_lost_to_a_shutdown_racing_its_submit():
+    """``shutdown`` while callers submit: each call either is refused or runs; none waits forever."""
+    for _ in range(50):
+        calls, futures = BoundedCalls("racing", limit=2), []
+        thread = threading.Thread(target=_submit_some, args=(calls, futures))
+        thread.start()
+        calls.shutdown()
+        thread.join()
+        assert all(future.result(timeout=5.0) == 1 for future in futures)
