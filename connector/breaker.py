@@ -127,6 +127,12 @@ class GuardedStore:
                     self.breaker.seconds_left(),
                 )
             raise
+        except Exception:
+            # Not the store's answer (a bug on the way to it): still a failed call, so that a trial call
+            # ending this way does not leave the breaker waiting for its outcome for good.
+            self.stats.add(f"store_errors_{what}")
+            self.breaker.record_failure()
+            raise
         if self.breaker.record_success():
             logger.warning("kvtool: %s: the store answers again; store calls resume", self._name)
         return result

@@ -92,6 +92,29 @@ def test_an_open_breaker_skips_store_calls_and_counts_them():
     assert stats == {"store_errors_exists": 2, "breaker_opened": 1, "breaker_skipped_exists": 1}
 
 
+def test_a_trial_call_that_raises_something_else_than_a_store_error_ends_the_trial():
+    """A bug on a call's way to the store must not leave the breaker waiting for the trial's outcome
+    (open for good: every later call skipped)."""
+    store = ScriptedStore()
+    store.fail_exists = True
+    clock = Clock()
+    guarded = GuardedStore(store, CircuitBreaker(BreakerPolicy(failures_to_open=1), clock), "test")
+    with pytest.raises(StoreError):
+        guarded.exists(["k"])
+    clock.now += 1.01
+
+    def broken(keys, object_bytes=0):
+        raise RuntimeError("a bug")
+
+    store.get = broken
+    with pytest.raises(RuntimeError):
+        guarded.get(["k"])  # the trial
+    store.fail_exists = False
+    clock.now += 2.01  # the back-off, doubled by the failed trial
+    assert guarded.exists(["k"]) == [False]  # a new trial goes through and closes it
+    assert not guarded.breaker.is_open
+
+
 def test_calls_that_hang_take_every_slot_and_later_calls_fail_at_once():
     release = threading.Event()
     calls = BoundedCalls("test", limit=2)
