@@ -32,8 +32,8 @@ from .keys import Namespace
 from .metrics import KVToolStats
 from .ranks import rank_namespace
 from .scheduler import SchedulerSide
-from .store import StoreError, open_store
-from .worker import WorkerSide
+from .store import CALL_THREADS, StoreError, open_store
+from .worker import WORKER_STORE_CALLS, WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -112,9 +112,10 @@ class KVToolConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _open_store(self, role: KVConnectorRole) -> InstrumentedStore | None:
         # Only the worker lends memory to the store; the scheduler side only asks what exists.
-        config = self.config if role == KVConnectorRole.WORKER else self.config.with_mooncake(global_segment_size=0)
+        worker = role == KVConnectorRole.WORKER
+        config = self.config if worker else self.config.with_mooncake(global_segment_size=0)
         try:
-            shared = open_store(config, shared=True)
+            shared = open_store(config, shared=True, call_threads=WORKER_STORE_CALLS if worker else CALL_THREADS)
         except StoreError as exc:
             logger.warning(
                 "kvtool: Mooncake store at %s is unavailable (%s); serving without the connector's help",
@@ -122,7 +123,7 @@ class KVToolConnector(KVConnectorBase_V1, SupportsHMA):
                 exc,
             )
             return None
-        side = "worker" if role == KVConnectorRole.WORKER else "scheduler"
+        side = "worker" if worker else "scheduler"
         # Counted outside the breaker: a call's time is what its caller waited, skips included.
         return InstrumentedStore(GuardedStore(shared, self._breaker, side))
 

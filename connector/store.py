@@ -31,6 +31,11 @@ __all__ = ["BACKENDS", "KVStore", "PutOutcome", "SharedStore", "StoreError", "Ti
 logger = logging.getLogger("vllm.kvtool")
 
 CLOSE_WAIT_S = 1.0  # closing waits this long for calls still running (``TimedStore.close``)
+# Calls a store stack runs at once. It must take every call its users' threads can make together, and
+# a spare for one call abandoned at its time-out: a call refused for want of a slot (``StoreBusy``)
+# counts as a hung store and opens the breaker. The scheduler side's callers are its lookup thread
+# and its pointer reads; the worker's (``worker.WORKER_STORE_CALLS``) are more.
+CALL_THREADS = 4
 
 
 class TimedStore:
@@ -40,7 +45,7 @@ class TimedStore:
     call fails at once (``StoreBusy``) instead of queueing.
     """
 
-    def __init__(self, store: KVStore, config: KVToolConfig, limit: int = 4):
+    def __init__(self, store: KVStore, config: KVToolConfig, limit: int = CALL_THREADS):
         self._store = store
         self._config = config
         self._calls = BoundedCalls("kvtool-store", limit=limit)
@@ -112,8 +117,9 @@ def _mooncake(config: KVToolConfig) -> KVStore:
 BACKENDS: dict[str, Callable[[KVToolConfig], KVStore]] = {"mooncake": _mooncake}
 
 
-def open_store(config: KVToolConfig, *, shared: bool = False) -> TimedStore:
-    """The configured backend, with fault injection when a test configured it, under time-outs.
+def open_store(config: KVToolConfig, *, shared: bool = False, call_threads: int = CALL_THREADS) -> TimedStore:
+    """The configured backend, with fault injection when a test configured it, under time-outs
+    (``call_threads`` calls at once).
 
     ``shared``: one backend client per process and configuration (vLLM may run the scheduler and
     the worker side in one process; they then share a client and its segment instead of lending the
@@ -125,7 +131,7 @@ def open_store(config: KVToolConfig, *, shared: bool = False) -> TimedStore:
 
         logger.warning("kvtool: FAULT INJECTION is on (%s); never use this in production", config.fault_control_file)
         backend = FaultyStore(backend, config.fault_control_file)
-    return TimedStore(backend, config)
+    return TimedStore(backend, config, limit=call_threads)
 
 
 _shared_lock = threading.Lock()

@@ -108,13 +108,13 @@ def connector_saves(config, count: int) -> dict[str, float]:
     from connector.prefix import PromptKeys, plan_save
     from connector.saveplans import save_transfer
     from connector.store import open_store
-    from connector.worker import WorkerSide
+    from connector.worker import WORKER_STORE_CALLS, WorkerSide
 
     ns = Namespace(model="bench", dtype="float32", kv_layout="bench", block_size=BLOCK, num_layers=LAYERS,
                    num_kv_heads=HEADS, head_size=DIM)  # fmt: skip
     blocks = 41  # saves take their blocks in turn: what they hold does not matter here
     caches = {f"layer.{i}": torch.randn((blocks, 2, HEADS, BLOCK, DIM)) for i in range(LAYERS)}
-    side = WorkerSide(ns, open_store(config), config, saves_enabled=True)
+    side = WorkerSide(ns, open_store(config, call_threads=WORKER_STORE_CALLS), config, saves_enabled=True)
     side.register_kv_caches(caches, [list(caches)], blocks, layouts=("CPU_ATTN:vec",))
     store = side._store._store  # noqa: SLF001 - the backend under the time-outs, for its fault-in
     if getattr(store, "prefault", None) is not None:
