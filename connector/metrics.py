@@ -55,7 +55,7 @@ COUNTERS: dict[str, str] = {
     "answer_saves_skipped_loading": "answer saves skipped: the request ended while its load still filled its blocks",
     "answer_saves_skipped_in_flight": (
         "answer saves skipped on a Mamba model: more than the last sampled token's step in flight "
-        "(draft tokens, a stale share after a preemption) had moved the state on"
+        "(draft tokens, a stale share after a preemption) or a stop inside accepted drafts had moved the state on"
     ),
     "block_copies_repaired": "vLLM copy-on-write block copies redone whole (hybrid models)",
     # the store (connector/instrumented.py counts every call by wrapping the store interface)
