@@ -231,7 +231,39 @@ def model_identity_document(vllm_config: VllmConfig, weights_digest: str = "") -
     multimodal = _guard(lambda: _read_set(getattr(model_config, "multimodal_config", None), _MULTIMODAL_KEYS))
     if multimodal:
         document["multimodal"] = multimodal
+    effective = _guard(lambda: _effective_config(model_config))
+    if effective:
+        document["hf_effective"] = effective
     return document
+
+
+# Fields of a loaded config that name where or by what it was read, not what the model computes.
+_VOLATILE_CONFIG_KEYS = ("transformers_version", "name_or_path")
+
+
+def _effective_config(model_config: Any) -> dict[str, Any] | None:
+    """The whole config the engine loaded, where it may differ from the model directory's own files
+    (which ``_files_document`` hashes) in a field ``_HF_KEYS`` does not list (a norm's epsilon, an
+    attention multiplier): read from elsewhere (``hf_config_path``) or changed by ``hf_overrides`` (a
+    callable's effect shows only here). None for an engine with neither: it keeps its namespace."""
+    if not getattr(model_config, "hf_config_path", None) and not getattr(model_config, "hf_overrides", None):
+        return None
+    hf = getattr(model_config, "hf_config", None)
+    text = getattr(model_config, "hf_text_config", None)
+    document: dict[str, Any] = {}
+    for name, config in (("config", hf), ("text_config", text if text is not hf else None)):
+        if config is not None:
+            document[name] = _guard(lambda config=config: _config_fields(config))
+    return document
+
+
+def _config_fields(config: Any) -> dict[str, Any]:
+    fields = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
+    return {
+        str(key): _plain(value)
+        for key, value in fields.items()
+        if not str(key).startswith("_") and key not in _VOLATILE_CONFIG_KEYS
+    }
 
 
 def _vllm_version() -> str:

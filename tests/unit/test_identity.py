@@ -181,6 +181,22 @@ def test_hf_overrides_are_part_of_the_identity(overrides):
     assert (with_overrides == model_identity(vllm_config())) == (overrides == {})
 
 
+@pytest.mark.parametrize(
+    "how", [{"hf_config_path": "/elsewhere"}, {"hf_overrides": _override_fn}, {"hf_overrides": {"rope_theta": 1.0}}]
+)
+def test_a_config_read_from_elsewhere_or_overridden_is_in_the_identity_whole(how):
+    """Where the loaded config need not be the model directory's (``hf_config_path``, ``hf_overrides``),
+    any field of it moves the namespace, not only those listed (a norm's epsilon changes KV too)."""
+
+    def build(eps, **fields):
+        return vllm_config(hf=hf_config(rms_norm_eps=eps, _name_or_path=fields.pop("path", "/m")), **how, **fields)
+
+    assert model_identity(build(1e-5)) != model_identity(build(1e-6))
+    assert model_identity(build(1e-5)) == model_identity(build(1e-5, path="/other/copy"))  # where it was read: not KV
+    # Without either, the listed fields alone (and the directory's files): every such engine keeps its namespace.
+    assert model_identity(vllm_config(hf=hf_config(rms_norm_eps=1e-5))) == model_identity(vllm_config())
+
+
 def test_longrope_folds_in_the_long_factor_choice():
     rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0], "long_factor": [4.0]}
 
