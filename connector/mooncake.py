@@ -9,6 +9,7 @@ and ``store.open_store`` stacks them.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -25,6 +26,24 @@ logger = logging.getLogger("vllm.kvtool")
 
 # Mooncake error codes seen on these machines (see ENVIRONMENT.md).
 _NO_SPACE = -200
+
+# The client's setup tries this many times (each try can pick another local port for the client's own
+# server), every master call of each try bounded by ``client_limits``.
+SETUP_TRIES = 3
+
+
+def client_limits(config: KVToolConfig) -> dict[str, str]:
+    """Bounds on the client's master calls, read from the environment once, as the client is set up.
+
+    The setup holds the GIL while it waits, so no Python time-out can cut it: a port that accepts
+    connections but is no master (an admin port given for the RPC port) held it 30 s a try, twenty
+    tries: ten minutes in which nothing else in the process ran. Each master call is bounded to a share
+    of ``connect_timeout_s`` (at least a second), and the tries to ``SETUP_TRIES``, so set-up ends within
+    about ``connect_timeout_s``. The bound stays on the client's later master calls too (they answer in
+    milliseconds; a frozen master's calls then return within it instead of after 30 s). Variables the
+    operator set are left as they are."""
+    per_call_ms = max(1000, int(config.connect_timeout_s * 1000 / SETUP_TRIES))
+    return {"MC_RPC_TIMEOUT_MS": str(per_call_ms), "MC_STORE_CLIENT_SETUP_RETRIES": str(SETUP_TRIES)}
 
 
 class MooncakeStore:
@@ -44,9 +63,12 @@ class MooncakeStore:
         from mooncake.store import MooncakeDistributedStore
 
         # The client's setup holds the GIL while it retries an absent master for about 90 s, so
-        # no Python-side time-out can cut it short: ask the master's port first.
+        # no Python-side time-out can cut it short: ask the master's port first (and bound its calls
+        # for a port that answers but is no master: ``client_limits``).
         _check_reachable(self._config.mooncake.master_server_address, self._config.connect_timeout_s)
 
+        for name, value in client_limits(self._config).items():
+            os.environ.setdefault(name, value)
         client = MooncakeDistributedStore()
         segment_bytes = self._config.mooncake.global_segment_size
         maps_before = read_maps() if self._config.mooncake.prefault_segment and segment_bytes else ""
