@@ -45,7 +45,24 @@ def _checked(path: Path, kind: str | None):
         raise UserError(f"--kind {kind!r} is not one of: {', '.join(CONFIG_KINDS)}")
     checked = check_config_file(path, kind)  # type: ignore[arg-type]
     pair = PairOptions(config_file=path).with_file() if checked.kind == "pair" else None
+    if pair is not None:
+        _check_pair(path, pair)
     return checked, pair
+
+
+def _check_pair(path: Path, pair: PairOptions) -> None:
+    """What serve-pair would refuse before starting anything, without its I/O (ports in use, a master
+    to reach): the pair configuration's values, and the model directory where the file names one."""
+    from kvtool.pair.preflight import check_model, check_values
+
+    try:
+        cfg = pair.config(generate_model=False, report=lambda _: None, file_hint=False)
+        check_values(cfg)
+        if pair.model is not None:
+            check_model(cfg)
+    except UserError as exc:
+        message = exc.message if exc.message.startswith(str(path)) else f"{path}: {exc.message}"
+        raise UserError(message) from None
 
 
 @_register("validate")

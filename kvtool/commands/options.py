@@ -147,6 +147,12 @@ ROLES_CHOICES = get_args(RolesChoice)  # declared once, with ServePairConfig
 STORE_CHOICES = get_args(StoreChoice)
 
 
+# The pair configuration's fields that a flag of another name sets (in other units).
+_FLAG_OF_FIELD = {
+    "segment_bytes": "--segment-mib",
+    "startup_timeout_s": "--startup-timeout",
+    "external_master": "--master",
+}
 _NOT_IN_FILES = frozenset({"config_file", "model_size", "fault_control_file"})  # flags a pair file cannot set
 _PATH_FIELDS = frozenset({"model", "log_dir"})  # relative to the file's directory
 
@@ -331,10 +337,15 @@ class PairOptions:
                 raise UserError(f"--{flag} {value!r} is not one of: {', '.join(allowed)}")
 
     def config(
-        self, ready_file: Path | None = None, report: Callable[[str], None] = say, generate_model: bool = True
+        self,
+        ready_file: Path | None = None,
+        report: Callable[[str], None] = say,
+        generate_model: bool = True,
+        file_hint: bool = True,
     ) -> ServePairConfig:
         """The ServePairConfig these flags describe (generating the preset model if --model is not given,
-        unless ``generate_model`` is false: then the path it would have)."""
+        unless ``generate_model`` is false: then the path it would have). A bad value's message names its
+        flag, and with ``file_hint`` the ``--config`` file it may come from."""
         from pydantic import ValidationError
 
         from kvtool.model import default_model_dir, ensure_default_model
@@ -394,8 +405,10 @@ class PairOptions:
             )
         except ValidationError as exc:
             first = exc.errors()[0]
-            flag = "--" + str(first["loc"][0]).replace("_", "-")
-            raise UserError(f"{flag}: {first['msg']}") from None
+            name = str(first["loc"][0])
+            flag = _FLAG_OF_FIELD.get(name, "--" + name.replace("_", "-"))
+            where = f" (given on the command line or in {self.config_file})" if self.config_file and file_hint else ""
+            raise UserError(f"{flag}{where}: {first['msg']}") from None
 
 
 # ---- inspect: where to look -----------------------------------------------------------------

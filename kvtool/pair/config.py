@@ -39,12 +39,12 @@ class ServePairConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     model: Path
-    producer_port: int = 8100
-    consumer_port: int = 8200
-    master_port: int = 50051
-    admin_port: int = 9003
+    producer_port: int = Field(default=8100, ge=1, le=65535)
+    consumer_port: int = Field(default=8200, ge=1, le=65535)
+    master_port: int = Field(default=50051, ge=1, le=65535)
+    admin_port: int = Field(default=9003, ge=1, le=65535)
     external_master: str | None = None  # host:port of a master kvtool does not start, or etcd://... of an HA group
-    store_port: int = 50052  # the standalone mooncake_client's service port
+    store_port: int = Field(default=50052, ge=1, le=65535)  # the standalone mooncake_client's service port
     block_size: int = Field(default=32, gt=0)
     hash_unit: int = Field(default=1, gt=0)
     divergence_grid: int | None = Field(default=None, ge=0)  # None: the connector's auto (a quarter block)
@@ -55,18 +55,19 @@ class ServePairConfig(BaseModel):
     log_dir: Path
     ready_file: Path | None = None
     dtype: str = "float32"  # vLLM's "auto" would downcast the float32 test models to bf16
-    max_model_len: int = 2048
-    kv_cache_gib: float = 1.0  # VLLM_CPU_KVCACHE_SPACE per engine
-    memory_utilization: float = 0.3  # --gpu-memory-utilization per engine; two start side by side
+    max_model_len: int = Field(default=2048, gt=0)
+    kv_cache_gib: float = 1.0  # VLLM_CPU_KVCACHE_SPACE per engine (preflight checks it for the CPU backend)
+    # --gpu-memory-utilization per engine; two start side by side
+    memory_utilization: float = Field(default=0.3, gt=0, le=1)
     enforce_eager: bool = False
     tensor_parallel_size: int = Field(default=1, ge=1)  # per engine; each rank saves and loads its own KV
     attention_backend: str | None = None  # vLLM --attention-backend; on a GPU the connector needs it named
     # vLLM's prefill chunk (--max-num-batched-tokens); None: the preset's, else vLLM's default.
     max_num_batched_tokens: int | None = Field(default=None, gt=0)
     segment_bytes: int = Field(default=256 * MiB, gt=0)  # what each engine lends the store (embedded)
-    local_buffer_bytes: int = 64 * MiB
-    store_segment_bytes: int = 1 * GiB  # what the standalone store holds
-    startup_timeout_s: float = 300.0
+    local_buffer_bytes: int = Field(default=64 * MiB, gt=0)
+    store_segment_bytes: int = Field(default=1 * GiB, gt=0)  # what the standalone store holds
+    startup_timeout_s: float = Field(default=300.0, gt=0)
     # Testing only: a fault plan file (connector/faults.py) the kvtool connectors read while they run.
     fault_control_file: Path | None = None
     # What a model preset needs (kvtool/model.py): extra vLLM flags, and the KV block size the engines

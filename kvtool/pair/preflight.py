@@ -20,10 +20,36 @@ def _is_cpu_vllm() -> bool:
 
 def preflight(cfg: ServePairConfig) -> None:
     """Turn every foreseeable start-up failure into one UserError sentence before anything starts."""
+    check_model(cfg)
+    ports = check_values(cfg)
+    for port, flag in ports:
+        ensure_port_free(port, flag)
+
+    if cfg.external_master is not None:
+        endpoints = master_endpoints(cfg.external_master, "--master")
+        if not any(tcp_port_open(port, host) for host, port in endpoints):
+            group = cfg.external_master.startswith(HA_PREFIX)
+            what = "etcd endpoint of the master group" if group else "Mooncake master"
+            raise UserError(f"no {what} answers at {cfg.external_master}; start one or drop --master")
+    if cfg.starts_master:
+        find_binary("mooncake_master")
+    if cfg.starts_store:
+        find_binary("mooncake_client")
+    if cfg.starts_lmcache:
+        lmcache_binary()
+
+
+def check_model(cfg: ServePairConfig) -> None:
+    """The model directory exists and holds a Hugging Face config."""
     if not cfg.model.exists():
         raise UserError(f"model path {cfg.model} does not exist; pass a Hugging Face model directory with --model")
     if not (cfg.model / "config.json").is_file():
         raise UserError(f"{cfg.model} has no config.json; --model must name a Hugging Face model directory")
+
+
+def check_values(cfg: ServePairConfig) -> list[tuple[int, str]]:
+    """The checks that need no I/O (``kvtool config validate`` runs them too); the ports the pair will
+    bind, each with its flag."""
     if _is_cpu_vllm() and cfg.block_size % CPU_BLOCK_MULTIPLE:
         raise UserError(
             f"--block-size {cfg.block_size} is not supported by vLLM's CPU attention backend; "
@@ -60,18 +86,4 @@ def preflight(cfg: ServePairConfig) -> None:
         if port in seen:
             raise UserError(f"{seen[port]} and {flag} are both {port}; give each its own port")
         seen[port] = flag
-    for port, flag in ports:
-        ensure_port_free(port, flag)
-
-    if cfg.external_master is not None:
-        endpoints = master_endpoints(cfg.external_master, "--master")
-        if not any(tcp_port_open(port, host) for host, port in endpoints):
-            group = cfg.external_master.startswith(HA_PREFIX)
-            what = "etcd endpoint of the master group" if group else "Mooncake master"
-            raise UserError(f"no {what} answers at {cfg.external_master}; start one or drop --master")
-    if cfg.starts_master:
-        find_binary("mooncake_master")
-    if cfg.starts_store:
-        find_binary("mooncake_client")
-    if cfg.starts_lmcache:
-        lmcache_binary()
+    return ports

@@ -123,6 +123,34 @@ def test_serve_pair_refuses_a_bad_pair_file_before_starting_anything(tmp_path):
     assert result.exit_code == 2 and "field 'producer-port'" in result.output, result.output
 
 
+@pytest.mark.parametrize(
+    ("content", "named"),
+    [
+        ("memory-utilization = 2.0", "--memory-utilization"),
+        ("startup-timeout = 0", "--startup-timeout"),
+        ("producer-port = 99999", "--producer-port"),
+        ("producer-port = 8100\nconsumer-port = 8100", "--consumer-port are both 8100"),
+        ("segment-mib = 0", "--segment-mib"),
+        ("hash-unit = 64", "--hash-unit 64 is larger"),
+        ("block-size = 0", "block-size"),
+        ('model = "nowhere"', "does not exist"),
+    ],
+)
+def test_validate_refuses_a_pair_file_serve_pair_would_refuse(tmp_path, content, named):
+    """What serve-pair refuses before it starts anything, validate refuses too (it said "valid")."""
+    (tmp_path / "pair.toml").write_text(content + "\n")
+    result = run("validate", str(tmp_path / "pair.toml"))
+    assert result.exit_code == 2, result.output
+    assert named in result.output and str(tmp_path / "pair.toml") in result.output and "Traceback" not in result.output
+
+
+def test_serve_pair_names_the_flag_of_a_bad_value_before_starting_anything():
+    result = CliRunner().invoke(app, ["serve-pair", "--memory-utilization", "5", "--segment-mib", "64"])
+    assert result.exit_code == 2 and "--memory-utilization" in result.output, result.output
+    result = CliRunner().invoke(app, ["serve-pair", "--segment-mib", "0"])
+    assert result.exit_code == 2 and "--segment-mib" in result.output, result.output
+
+
 def test_show_prints_the_effective_connector_config_of_each_engine_of_the_demo_pair():
     result = run("show", str(CONFIGS / "cpu-demo" / "pair.toml"))
     assert result.exit_code == 0, result.output
