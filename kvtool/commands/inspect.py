@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Annotated
 
@@ -98,6 +99,14 @@ def prompt_command(
     namespace: NamespaceOpt = None,
     block_size: Annotated[int | None, typer.Option("--block-size", help="\\[default: from --pair]")] = None,
     hash_unit: Annotated[int | None, typer.Option("--hash-unit", help="\\[default: from --pair, else 1]")] = None,
+    divergence_grid: Annotated[
+        int | None,
+        typer.Option(
+            "--divergence-grid",
+            min=0,
+            help="the engines' pointer grid (0: none) \\[default: from --pair, else the connector's, a quarter block]",
+        ),
+    ] = None,
     cache_salt: Annotated[str | None, typer.Option("--cache-salt", help="the requests' cache_salt, if any")] = None,
     request_id: Annotated[
         list[str] | None,
@@ -126,6 +135,8 @@ def prompt_command(
 
     model_costs = parse_cost(cost) if cost is not None else None
     target = resolve_target(admin, pair, master)
+    if divergence_grid is not None:
+        target = dataclasses.replace(target, divergence_grid=divergence_grid)
     ids = prompt_tokens(tokens, text, file, model or target.model)
     report = prompt_report(
         target, ids, namespace, block_size, hash_unit, cache_salt, request_id or [], verify, all_boundaries, model_costs

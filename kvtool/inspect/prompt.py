@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
-from connector.config import EXTEND_MIN_TOKENS, has_lead_pointers
+from connector.config import EXTEND_MIN_TOKENS, KVToolConfig, divergence_grid, has_lead_pointers
 from connector.hashing import RequestIdentity, save_tail_boundary
 from connector.keys import KeyKind, decode_key
 from connector.objects import ObjectHeader, ObjectRejected, decode_header, verify_object
@@ -345,6 +345,11 @@ def _cost_summary(target: Target, keys: PromptKeys, result: PromptInspection, co
     return {"cost_taken_tokens": taken, "cost_verdict": why}
 
 
+def default_grid(block_size: int) -> int:
+    """The divergence grid of a connector left at its default, on engines of ``block_size``."""
+    return divergence_grid(KVToolConfig(master_server_address="127.0.0.1:1"), block_size)
+
+
 def prompt_report(
     target: Target,
     tokens: list[int],
@@ -359,14 +364,19 @@ def prompt_report(
 ) -> Report:
     from kvtool.inspect.keys import describe_key, namespaces
 
-    block_size = block_size or target.block_size
-    if not block_size:
+    block_size = block_size if block_size is not None else target.block_size
+    if block_size is None:
         raise UserError("the block size is not known: give --block-size or --pair READY_FILE")
-    hash_unit = hash_unit or target.hash_unit or 1
+    if block_size < 1:
+        raise UserError(f"--block-size {block_size} is not a block size; give the engines' (1 or more)")
+    hash_unit = hash_unit if hash_unit is not None else target.hash_unit or 1
+    if not 1 <= hash_unit <= block_size:
+        raise UserError(f"--hash-unit {hash_unit} is outside 1..{block_size} (the block size)")
     every = target.store.keys()
     chosen = choose_namespace(namespace, namespaces(describe_key(k) for k in every))
     root = RequestIdentity(cache_salt=cache_salt).root_hash()
-    grid = target.divergence_grid or 0  # lead pointers as the connector puts them, at its default
+    # The pair's grid, else the connector's default (a quarter block); lead pointers as it puts them.
+    grid = target.divergence_grid if target.divergence_grid is not None else default_grid(block_size)
     keys = PromptKeys.build(tokens, block_size, hash_unit, chosen, root, None, grid, has_lead_pointers(grid))
     notes: list[str] = []
 

@@ -8,19 +8,35 @@ from pathlib import Path
 from kvtool.errors import UserError
 
 
-def parse_token_ids(text: str) -> list[int] | None:
-    """Token ids written as a JSON list or separated by commas/whitespace; None if ``text`` is not that."""
+MAX_TOKEN_ID = 2**32 - 1  # what the key schema encodes (connector.hashing)
+
+
+def parse_token_ids(text: str, what: str = "the prompt") -> list[int] | None:
+    """Token ids written as a JSON list or separated by commas/whitespace; None if ``text`` is not that
+    (text such as ``[INST] ...`` that is no JSON). A JSON list that is not token ids is a UserError."""
     stripped = text.strip()
     if stripped.startswith("["):
         try:
             values = json.loads(stripped)
         except json.JSONDecodeError:
             return None
-        return values if isinstance(values, list) and all(isinstance(v, int) and v >= 0 for v in values) else None
+        ids = isinstance(values, list) and values and all(_is_token_id(v) for v in values)
+        if not ids:
+            raise UserError(
+                f"{what} is a JSON list but not of token ids (whole numbers 0..{MAX_TOKEN_ID}): {stripped[:60]}"
+            )
+        return values
     parts = stripped.replace(",", " ").split()
     if not parts or not all(p.isdigit() for p in parts):
         return None
-    return [int(p) for p in parts]
+    ids = [int(p) for p in parts]
+    if max(ids) > MAX_TOKEN_ID:
+        raise UserError(f"{what} has token id {max(ids)}, above {MAX_TOKEN_ID}; token ids are 0..{MAX_TOKEN_ID}")
+    return ids
+
+
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TOKEN_ID
 
 
 def prompt_tokens(tokens: str | None, text: str | None, file: Path | None, model: str | None) -> list[int]:
@@ -29,16 +45,20 @@ def prompt_tokens(tokens: str | None, text: str | None, file: Path | None, model
     if len(given) != 1:
         raise UserError("give the prompt as exactly one of --tokens 1,2,3, --text STR or --file F")
     if tokens is not None:
-        ids = parse_token_ids(tokens)
+        ids = parse_token_ids(tokens, f"--tokens {tokens[:40]!r}")
         if not ids:
             raise UserError(f"--tokens {tokens!r} is not a comma-separated list of token ids")
         return ids
     if file is not None:
         try:
-            content = Path(file).read_text()
+            content = Path(file).read_text(encoding="utf-8")
         except OSError as exc:
             raise UserError(f"cannot read --file {file}: {exc}") from None
-        ids = parse_token_ids(content)
+        except UnicodeDecodeError:
+            raise UserError(f"--file {file} is not UTF-8 text; give token ids or text") from None
+        if not content.strip():
+            raise UserError(f"--file {file} is empty; give token ids or text")
+        ids = parse_token_ids(content, f"--file {file}")
         if ids:
             return ids
         text = content

@@ -240,7 +240,21 @@ def test_token_ids_parse_from_lists_and_separated_text():
     assert parse_token_ids("[4, 5]") == [4, 5]
     assert parse_token_ids("4 5\n6\n") == [4, 5, 6]
     assert parse_token_ids("hello world") is None
-    assert parse_token_ids("[1, -2]") is None
+    assert parse_token_ids("[INST] hello [/INST]") is None  # text that starts like a list: text
+    for bad in ("[1, -2]", '[1, 2, "x"]', "[]", "[1.0, 2.0]", "[true, 2]", "[4294967296]", "4294967296"):
+        with pytest.raises(UserError, match="token id"):
+            parse_token_ids(bad)
+
+
+def test_a_prompt_file_that_is_empty_or_not_text_is_one_sentence(tmp_path):
+    from kvtool.inspect.tokens import prompt_tokens
+
+    (tmp_path / "empty").write_text("  \n")
+    (tmp_path / "binary").write_bytes(b"\xff\xfe\x00bad")
+    with pytest.raises(UserError, match="is empty"):
+        prompt_tokens(None, None, tmp_path / "empty", None)
+    with pytest.raises(UserError, match="not UTF-8"):
+        prompt_tokens(None, None, tmp_path / "binary", None)
 
 
 def test_watermark_records_are_matched_to_a_prompt_by_the_keys_they_name():
@@ -267,3 +281,26 @@ def test_watermark_records_are_matched_to_a_prompt_by_the_keys_they_name():
     shorter = record_coverage(record(85, True, keys.block_key(1), keys.tail_key(85)), shorter_prompt)
     assert (shorter.durable_offset, shorter.tail_boundary) == (64, None)
     assert record_coverage(record(85, True, "kvtool/other", "kvtool/other-tail"), keys) is None
+
+
+def test_without_a_ready_file_the_prompt_is_keyed_on_the_connectors_default_grid():
+    """The --admin form knew no grid and took none: a prompt leaving a stored one inside a block showed
+    a miss where the consumer hits through a pointer."""
+    from connector.config import divergence_grid, load_config
+    from kvtool.inspect.prompt import default_grid
+
+    for block_size in (16, 32, 256):
+        assert default_grid(block_size) == divergence_grid(load_config({"master_server_address": "x:1"}), block_size)
+        assert default_grid(block_size) > 0
+
+
+@pytest.mark.parametrize(
+    ("block_size", "hash_unit", "named"),
+    [(-32, None, "--block-size"), (0, None, "--block-size"), (32, 64, "--hash-unit"), (32, -1, "--hash-unit")],
+)
+def test_a_block_size_or_hash_unit_that_cannot_be_is_one_sentence(block_size, hash_unit, named):
+    from kvtool.inspect.prompt import prompt_report
+    from kvtool.inspect.target import Target
+
+    with pytest.raises(UserError, match=named):  # before the store is asked anything
+        prompt_report(Target(admin="http://127.0.0.1:1"), TOKENS, None, block_size, hash_unit, None, [], False, False)
