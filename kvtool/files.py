@@ -15,8 +15,12 @@ from kvtool.errors import UserError
 def write_json_atomically(path: Path, content: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    staging.write_text(json.dumps(content, indent=2) + "\n")
-    os.replace(staging, path)
+    try:
+        staging.write_text(json.dumps(content, indent=2) + "\n")
+        os.replace(staging, path)
+    except BaseException:
+        staging.unlink(missing_ok=True)  # no staging file left behind by a write or rename that failed
+        raise
 
 
 def read_config_file(path: Path) -> dict[str, Any]:

@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from kvtool.commands.options import PairOptions, with_options
-from kvtool.commands.output import out, say, user_errors_exit
+from kvtool.commands.output import check_writable, out, say, user_errors_exit
 from kvtool.pair.ready import ReadyFile
 
 
@@ -34,6 +34,7 @@ def serve_pair_command(
     from kvtool.pair.launch import run_pair
     from kvtool.pair.smoke import run_smoke
 
+    check_writable(ready_file, "--ready-file")  # before a minute of start-up, not after it
     cfg = pair.config(ready_file=ready_file)
 
     def on_ready(info: ReadyFile) -> None:

@@ -9,6 +9,7 @@ process is healthy, rewrites it when a supervised process gets a new pid, and re
 from __future__ import annotations
 
 import json
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -134,7 +135,10 @@ class ReadyFileWriter:
     def refresh(self) -> None:
         with self._lock:
             if self._build is not None:  # before publish() the first write will hold the news
-                self._write()
+                try:
+                    self._write()
+                except UserError as exc:  # on the supervisor's thread: the pair keeps serving
+                    print(f"kvtool: {exc.message}", file=sys.stderr, flush=True)
 
     def remove(self) -> None:
         with self._lock:
@@ -146,5 +150,12 @@ class ReadyFileWriter:
         assert self._build is not None
         info = self._build()
         if self.path is not None:
-            write_json_atomically(self.path, info.to_json())
+            try:
+                write_json_atomically(self.path, info.to_json())
+            except OSError as exc:
+                raise UserError(
+                    f"cannot write the ready file {self.path} ({exc.strerror or exc}); give --ready-file a "
+                    "writable path",
+                    exit_code=1,
+                ) from None
         return info

@@ -310,6 +310,34 @@ def test_ready_file_is_written_once_published_and_rewritten_on_refresh(tmp_path)
     assert [p.name for p in tmp_path.iterdir()] == []
 
 
+def test_a_ready_file_that_cannot_be_written_is_one_sentence_and_leaves_no_staging_file(tmp_path, capsys):
+    from kvtool.errors import UserError
+
+    def info() -> ReadyFile:
+        return ReadyFile(producer="P", consumer="C", model="m", block_size=32, hash_unit=1, max_model_len=64,
+                         connector="kvtool")  # fmt: skip
+
+    (tmp_path / "taken").mkdir()
+    ready = ReadyFileWriter(tmp_path / "taken")  # a directory where the file should go: the rename fails
+    with pytest.raises(UserError, match="cannot write the ready file") as raised:
+        ready.publish(info)
+    assert raised.value.exit_code == 1
+    ready.refresh()  # a restart's rewrite says so and lets the pair serve on
+    assert "cannot write the ready file" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
+
+
+def test_serve_pair_checks_its_ready_file_path_before_starting_anything(tmp_path):
+    from typer.testing import CliRunner
+
+    from kvtool.cli import app
+
+    (tmp_path / "file").write_text("x")
+    for bad in (tmp_path, tmp_path / "file" / "ready.json"):
+        result = CliRunner().invoke(app, ["serve-pair", "--ready-file", str(bad)])
+        assert result.exit_code == 2 and "--ready-file" in result.output, result.output
+
+
 class CountingSupervisor:
     policy = Policy(interval_s=0.001)
 
