@@ -148,6 +148,34 @@ def test_trace_with_a_bad_line_is_a_one_line_error(tmp_path):
         read_trace(inconsistent, 0, 5)
 
 
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"hash_ids": [[1]]},
+        {"hash_ids": "a"},
+        {"hash_ids": ["x"]},
+        {"hash_ids": [None]},
+        {"hash_ids": [1.5]},
+        {"hash_ids": [True]},
+        {"output_length": -5},
+        {"input_length": 100.7},
+        {"input_length": "512"},
+    ],
+)
+def test_a_trace_record_of_the_wrong_types_is_one_sentence(tmp_path, fields):
+    trace = tmp_path / "bad.jsonl"
+    trace.write_text(json.dumps({**record(512, [1]), **fields}) + "\n")
+    with pytest.raises(UserError, match=r"bad.jsonl line 1"):
+        read_trace(trace, 0, 5)
+
+
+def test_a_trace_that_is_not_text_is_one_sentence(tmp_path):
+    trace = tmp_path / "binary.jsonl"
+    trace.write_bytes(b"\xff\xfe\x00{}")
+    with pytest.raises(UserError, match="not UTF-8"):
+        read_trace(trace, 0, 5)
+
+
 def test_trace_truncates_prompts_to_what_the_engine_takes(tmp_path):
     trace = write_trace(tmp_path / "t.jsonl", [record(40 * 512, list(range(40)))])
     shape = WorkloadShape(**{**SHAPE.__dict__, "max_prompt_tokens": 100})

@@ -32,12 +32,22 @@ class TraceRequest:
     hash_ids: tuple[int, ...]
 
 
+def _whole(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def parse_trace_line(line: str, where: str) -> TraceRequest:
     try:
         record = json.loads(line)
-        request = TraceRequest(int(record["input_length"]), int(record["output_length"]), tuple(record["hash_ids"]))
+        fields = (record["input_length"], record["output_length"], record["hash_ids"])
     except (ValueError, KeyError, TypeError) as exc:
         raise UserError(f"{where} is not a Mooncake trace record ({exc}); see shared/traces/README.md") from None
+    input_length, output_length, hash_ids = fields
+    if not (_whole(input_length) and _whole(output_length) and output_length >= 0):
+        raise UserError(f"{where}: input_length and output_length must be whole numbers (output_length 0 or more)")
+    if not isinstance(hash_ids, list) or not all(_whole(block) for block in hash_ids):
+        raise UserError(f"{where}: hash_ids must be a list of whole numbers, one a 512-token block")
+    request = TraceRequest(input_length, output_length, tuple(hash_ids))
     expected_ids = -(-request.input_length // TRACE_BLOCK_TOKENS)
     if request.input_length <= 0 or len(request.hash_ids) != expected_ids:
         raise UserError(
@@ -60,6 +70,8 @@ def read_trace(path: Path, start: int, count: int) -> list[TraceRequest]:
                     break
     except OSError as exc:
         raise UserError(f"cannot read the trace {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise UserError(f"the trace {path} is not UTF-8 text; give a Mooncake trace (JSON lines)") from None
     if not requests:
         raise UserError(f"the trace {path} has no requests from line {start + 1}; lower --trace-start")
     return requests
