@@ -17,6 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from kvtool.errors import UserError
 from kvtool.pair.launch import launched_pair
+from kvtool.pair.preflight import check_values
 from kvtool.pair.procs import ProcessSet
 from kvtool.pair.ready import ReadyFile, read_ready_file
 from kvtool.pair.config import REPO_ROOT, Reporter, ServePairConfig
@@ -152,7 +153,8 @@ def run_interleaved(
 def launch_config(cfg: ServePairConfig, connector: str, compare: bool = False) -> ServePairConfig:
     update: dict[str, Any] = {"connector": connector, "log_dir": cfg.log_dir / connector, "ready_file": None}
     if compare and not profile(connector).has_roles:
-        update["roles"] = "pd"  # the baseline without a connector has no roles; --roles applies to the others
+        # The baseline without a connector has no roles and no store; --roles and --store apply to the others.
+        update["roles"], update["store"] = "pd", "embedded"
     return cfg.model_copy(update=update)
 
 
@@ -199,6 +201,8 @@ def run_bench(
         pair_config: dict[str, Any] = {"ready_file": str(pair_file), **pair.model_dump()}
     else:
         assert launch is not None
+        for connector in compare or [launch.connector]:  # each pair's values, before the first one starts
+            check_values(launch_config(launch, connector, compare=bool(compare)))
         planned = plan_workloads(
             config, launch.effective_block_size, launch.hash_unit, model_vocab_size(launch.model), launch.max_model_len
         )

@@ -171,6 +171,21 @@ def test_compare_list_is_checked():
             parse_compare(bad)
 
 
+def test_compare_runs_the_baseline_without_the_store_and_roles_only_connectors_take(tmp_path):
+    """--store standalone and --roles both apply to the connectors; the pair without one was refused
+    when its turn came (after the others' whole runs)."""
+    from kvtool.bench.command import launch_config
+    from kvtool.pair.config import ServePairConfig
+    from kvtool.pair.preflight import check_values
+
+    cfg = ServePairConfig(model=tmp_path, log_dir=tmp_path, store="standalone", roles="both")
+    for connector in ("kvtool", "none", "vllm-mooncake-store"):
+        check_values(launch_config(cfg, connector, compare=True))  # every pair of the run is valid
+    baseline = launch_config(cfg, "none", compare=True)
+    assert (baseline.store, baseline.roles) == ("embedded", "pd")
+    assert launch_config(cfg, "kvtool", compare=True).store == "standalone"
+
+
 def test_ready_file_errors_are_sentences(tmp_path):
     with pytest.raises(UserError, match="cannot read the ready file"):
         read_ready_file(tmp_path / "missing.json")
