@@ -36,7 +36,9 @@ def keys_command(
     output_options: OutputOptions,
     admin: AdminOpt = None,
     pair: ReadyFileOpt = None,
-    kind: Annotated[str | None, typer.Option("--kind", help="block, tail, watermark or foreign")] = None,
+    kind: Annotated[
+        str | None, typer.Option("--kind", help="block, tail, state, pointer, watermark or foreign")
+    ] = None,
     namespace: NamespaceOpt = None,
     prefix: Annotated[str | None, typer.Option("--prefix", help="only keys that start with this")] = None,
     limit: Annotated[int, typer.Option("--limit", help="keys per page")] = 200,

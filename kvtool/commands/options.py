@@ -172,7 +172,8 @@ class PairOptions:
     model_preset: Annotated[
         str,
         _pair(
-            "model generated when --model is not given: tiny (2 layers, tests), bench (12 layers, TTFT), swa "
+            "model generated when --model is not given: tiny (2 layers, tests), bench (12 layers, TTFT), long "
+            "(bench's shape, 16k positions: long prompts), swa "
             "(Gemma3-style sliding window + full attention) or mamba (GraniteMoeHybrid-style Mamba2 + attention)"
         ),
     ] = "tiny"
