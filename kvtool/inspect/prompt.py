@@ -350,6 +350,19 @@ def default_grid(block_size: int) -> int:
     return divergence_grid(KVToolConfig(master_server_address="127.0.0.1:1"), block_size)
 
 
+def _grid_sizes(target: Target, block_size: int | None, hash_unit: int | None) -> tuple[int, int]:
+    """The block size and hash unit given, else the pair's; a UserError for values that cannot be."""
+    block_size = block_size if block_size is not None else target.block_size
+    if block_size is None:
+        raise UserError("the block size is not known: give --block-size or --pair READY_FILE")
+    if block_size < 1:
+        raise UserError(f"--block-size {block_size} is not a block size; give the engines' (1 or more)")
+    hash_unit = hash_unit if hash_unit is not None else target.hash_unit or 1
+    if not 1 <= hash_unit <= block_size:
+        raise UserError(f"--hash-unit {hash_unit} is outside 1..{block_size} (the block size)")
+    return block_size, hash_unit
+
+
 def prompt_report(
     target: Target,
     tokens: list[int],
@@ -364,14 +377,7 @@ def prompt_report(
 ) -> Report:
     from kvtool.inspect.keys import describe_key, namespaces
 
-    block_size = block_size if block_size is not None else target.block_size
-    if block_size is None:
-        raise UserError("the block size is not known: give --block-size or --pair READY_FILE")
-    if block_size < 1:
-        raise UserError(f"--block-size {block_size} is not a block size; give the engines' (1 or more)")
-    hash_unit = hash_unit if hash_unit is not None else target.hash_unit or 1
-    if not 1 <= hash_unit <= block_size:
-        raise UserError(f"--hash-unit {hash_unit} is outside 1..{block_size} (the block size)")
+    block_size, hash_unit = _grid_sizes(target, block_size, hash_unit)
     every = target.store.keys()
     chosen = choose_namespace(namespace, namespaces(describe_key(k) for k in every))
     root = RequestIdentity(cache_salt=cache_salt).root_hash()
