@@ -9,6 +9,7 @@ leaves the engine serving without the connector's help (one warning).
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,7 +33,9 @@ from .keys import Namespace
 from .metrics import KVToolStats
 from .ranks import rank_namespace
 from .scheduler import SchedulerSide
-from .store import CALL_THREADS, StoreError, open_store
+from .latestore import LateStore
+from .mooncake import probe_master
+from .store import CALL_THREADS, KVStore, StoreError, open_store
 from .worker import WORKER_STORE_CALLS, WorkerSide
 
 if TYPE_CHECKING:
@@ -114,15 +117,20 @@ class KVToolConnector(KVConnectorBase_V1, SupportsHMA):
         # Only the worker lends memory to the store; the scheduler side only asks what exists.
         worker = role == KVConnectorRole.WORKER
         config = self.config if worker else self.config.with_mooncake(global_segment_size=0)
+        opener = partial(open_store, config, shared=True, call_threads=WORKER_STORE_CALLS if worker else CALL_THREADS)
+        shared: KVStore
         try:
-            shared = open_store(config, shared=True, call_threads=WORKER_STORE_CALLS if worker else CALL_THREADS)
+            shared = opener()
         except StoreError as exc:
+            address = self.config.mooncake.master_server_address
             logger.warning(
-                "kvtool: Mooncake store at %s is unavailable (%s); serving without the connector's help",
-                self.config.mooncake.master_server_address,
+                "kvtool: Mooncake store at %s is unavailable (%s); serving without the connector's help until "
+                "it answers (tried again in the background)",
+                address,
                 exc,
             )
-            return None
+            probe = partial(probe_master, config) if config.store_backend == "mooncake" else lambda: None
+            shared = LateStore(opener, probe, what=f"the Mooncake store at {address}")
         side = "worker" if worker else "scheduler"
         # Counted outside the breaker: a call's time is what its caller waited, skips included.
         return InstrumentedStore(GuardedStore(shared, self._breaker, side))

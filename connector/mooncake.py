@@ -8,9 +8,12 @@ and ``store.open_store`` stacks them.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
+import subprocess
+import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -185,3 +188,36 @@ def _check_reachable(address: str, timeout_s: float) -> None:
         except OSError as exc:
             problems.append(f"{host}:{port}: {exc.strerror or exc}")
     raise StoreError(f"the Mooncake master at {address} is not reachable ({'; '.join(problems)})")
+
+
+_PROBE = """
+import json, os, sys
+from mooncake.store import MooncakeDistributedStore
+code = MooncakeDistributedStore().setup(*json.loads(sys.argv[1]))
+print(code, flush=True)
+os._exit(0 if code == 0 else 3)
+"""
+_PROBE_START_S = 10.0  # the child's interpreter and the client library's start, on a busy host
+
+
+def probe_master(config: KVToolConfig) -> str | None:
+    """Whether a client set up in a child process reaches the master within ``connect_timeout_s``: None
+    if it did, else why not. Its setup holds the child's GIL, never this process's (``latestore``)."""
+    address = config.mooncake.master_server_address
+    try:
+        _check_reachable(address, config.connect_timeout_s)  # nothing listening: no child needed
+    except StoreError as exc:
+        return str(exc)
+    mc = config.mooncake
+    args = [mc.local_hostname, mc.metadata_server, 0, 1 << 20, mc.protocol, mc.device_name, address]  # lends nothing
+    env = {**client_limits(config), **os.environ}  # the operator's settings win, as in ``_connect``
+    try:
+        done = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(args)], capture_output=True, text=True,
+                              env=env, timeout=config.connect_timeout_s + _PROBE_START_S)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return f"the Mooncake master at {address} accepts connections but did not answer a client's setup"
+    except OSError as exc:
+        return f"no child process for the probe ({exc})"
+    if done.returncode != 0:
+        return f"a client's setup against the Mooncake master at {address} failed (exit {done.returncode})"
+    return None

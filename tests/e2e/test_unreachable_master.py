@@ -1,5 +1,6 @@
 """An engine whose Mooncake master cannot be reached at start-up serves without the connector's help,
-with one warning, instead of failing to start."""
+with one warning, instead of failing to start; once the master is up, the engine connects to it on its
+own and saves there."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,8 @@ import pytest
 from kvtool.client import complete, wait_healthy
 from kvtool.model import ensure_default_model
 from kvtool.pair.procs import find_free_port
+from kvtool.store.admin import open_admin
+from kvtool.store.master import LocalMaster
 
 from .pairtools import hit_details
 
@@ -24,9 +28,11 @@ pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_an_unreachable_master_at_start_leaves_the_engine_serving(tmp_path):
+def test_an_unreachable_master_at_start_leaves_the_engine_serving_until_it_comes(tmp_path):
     model = str(ensure_default_model())
-    port, dead_master = find_free_port(), find_free_port()  # nothing listens on dead_master
+    port = find_free_port()
+    master = LocalMaster()  # its ports picked, not started: nothing listens there yet
+    dead_master = master.rpc_port
     transfer = {
         "kv_connector": "KVToolConnector",
         "kv_connector_module_path": "connector.connector",
@@ -71,6 +77,16 @@ def test_an_unreachable_master_at_start_leaves_the_engine_serving(tmp_path):
         answer = complete(f"http://127.0.0.1:{port}", model, list(range(10, 60)), max_tokens=3)
         assert answer["choices"][0]["finish_reason"]
         assert hit_details(answer).external_hit_tokens == 0
+        master.start()
+        deadline = time.monotonic() + 300  # tries back off from 5 s to 60 s
+        while "answers now" not in log_path.read_text() and time.monotonic() < deadline:
+            time.sleep(1)
+        assert "answers now" in log_path.read_text(), "the engine never connected to the master that came up"
+        complete(f"http://127.0.0.1:{port}", model, list(range(100, 180)), max_tokens=1)
+        deadline = time.monotonic() + 60
+        while not [k for k in open_admin(master.admin).keys() if k.startswith("kvtool/")]:
+            assert time.monotonic() < deadline, "nothing was saved to the master once connected"
+            time.sleep(0.5)
     finally:
         engine.terminate()
         try:
@@ -80,6 +96,7 @@ def test_an_unreachable_master_at_start_leaves_the_engine_serving(tmp_path):
             engine.wait()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(engine.pid, signal.SIGKILL)  # anything of the engine's that outlived it
+        master.stop()
     warnings = [line for line in log_path.read_text().splitlines() if "is unavailable" in line and "kvtool" in line]
     # One from the scheduler side and one from the worker side; nothing per request.
     assert 1 <= len(warnings) <= 2, warnings

@@ -165,3 +165,53 @@ def test_an_object_larger_than_its_region_is_not_read(store):
     lease = area.take(1)
     (count,) = store.get_into([key], [lease.region(0)], lease)
     assert count <= 0  # a failed read, never a short one that looks whole
+
+
+def test_an_engine_side_that_started_before_its_master_connects_once_it_is_up(tmp_path):
+    """``LateStore`` over the real opener and probe: misses while no master listens, then the store."""
+    import time
+    from functools import partial
+
+    from connector.config import load_config
+    from connector.latestore import LateStore
+    from connector.mooncake import probe_master
+    from kvtool.store.master import LocalMaster
+
+    master = LocalMaster(tmp_path / "late-master.log")  # its ports picked; nothing listens yet
+    config = load_config(
+        {"master_server_address": master.address, "global_segment_size": 16 << 20, "connect_timeout_s": 2}
+    )  # the client lends the store its memory: the new master has no other
+    assert "not reachable" in probe_master(config)
+    late = LateStore(partial(open_store, config), partial(probe_master, config), retry_s=0.2, max_retry_s=0.5)
+    try:
+        with pytest.raises(StoreError):
+            late.exists(["k"])
+        master.start()
+        for _ in range(600):  # polled, no time asserted
+            if late.connected:
+                break
+            time.sleep(0.1)
+        assert late.connected
+        assert late.put("late/key", b"v") is PutOutcome.STORED and late.exists(["late/key"]) == [True]
+    finally:
+        late.close()
+        master.stop()
+
+
+def test_the_probe_says_why_a_port_that_answers_but_is_no_master_is_not_one():
+    import socket
+    import threading
+
+    from connector.config import load_config
+    from connector.mooncake import probe_master
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    held = []
+    threading.Thread(target=lambda: held.append(listener.accept()), daemon=True).start()
+    try:
+        address = f"127.0.0.1:{listener.getsockname()[1]}"
+        config = load_config({"master_server_address": address, "global_segment_size": 0, "connect_timeout_s": 2})
+        why = probe_master(config)  # the setup waits in a child process; this one goes on
+        assert why is not None and address in why
+    finally:
+        listener.close()
