@@ -262,6 +262,9 @@ def inspect_prompt(keys: PromptKeys, snapshot: StoreSnapshot, show_all: bool = F
 
 def choose_namespace(given: str | None, available: Sequence[str]) -> str:
     if given is not None:
+        if len(given) != 16 or any(c not in "0123456789abcdef" for c in given):
+            known = f" (the store holds {', '.join(available)})" if available else ""
+            raise UserError(f"--namespace {given!r} is not a kvtool namespace, 16 lower-case hex digits{known}")
         return given
     if len(available) == 1:
         return available[0]

@@ -235,6 +235,12 @@ def test_the_namespace_is_the_only_one_or_must_be_chosen():
         choose_namespace(None, [])
 
 
+def test_a_namespace_that_cannot_be_one_is_one_sentence_naming_those_stored():
+    with pytest.raises(UserError, match="16 lower-case hex digits .the store holds 0123456789abcdef"):
+        choose_namespace("xyz", ["0123456789abcdef"])
+    assert choose_namespace("fedcba9876543210", []) == "fedcba9876543210"  # not stored yet: its misses are listed
+
+
 def test_token_ids_parse_from_lists_and_separated_text():
     assert parse_token_ids("1,2, 3") == [1, 2, 3]
     assert parse_token_ids("[4, 5]") == [4, 5]
