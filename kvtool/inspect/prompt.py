@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from connector.config import EXTEND_MIN_TOKENS, KVToolConfig, divergence_grid, has_lead_pointers
 from connector.hashing import RequestIdentity, save_tail_boundary
-from connector.keys import KeyKind, decode_key
+from connector.keys import NAMESPACE_HEX, KeyKind, decode_key
 from connector.objects import ObjectHeader, ObjectRejected, decode_header, verify_object
 from connector.prefix import PromptKeys, plan_load
 from connector.search import find_stored_prefix
@@ -262,9 +262,11 @@ def inspect_prompt(keys: PromptKeys, snapshot: StoreSnapshot, show_all: bool = F
 
 def choose_namespace(given: str | None, available: Sequence[str]) -> str:
     if given is not None:
-        if len(given) != 16 or any(c not in "0123456789abcdef" for c in given):
+        if len(given) != NAMESPACE_HEX or any(c not in "0123456789abcdef" for c in given):
             known = f" (the store holds {', '.join(available)})" if available else ""
-            raise UserError(f"--namespace {given!r} is not a kvtool namespace, 16 lower-case hex digits{known}")
+            raise UserError(
+                f"--namespace {given!r} is not a kvtool namespace, {NAMESPACE_HEX} lower-case hex digits{known}"
+            )
         return given
     if len(available) == 1:
         return available[0]
