@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .calls import StoreBusy, StoreError, StoreTimeout
+from .calls import StoreBusy, StoreError, StoreNotConnected, StoreTimeout
 from .counters import Counters
 from .store import KVStore, PutOutcome
 
@@ -119,7 +119,9 @@ class GuardedStore:
             self.stats.add(f"store_errors_{what}")
             if self.breaker.record_failure(hung=isinstance(exc, StoreTimeout | StoreBusy)):
                 self.stats.add("breaker_opened")
-                logger.warning(
+                # Not yet connected: said once at start and once when it connects, not at every back-off.
+                log = logger.debug if isinstance(exc, StoreNotConnected) else logger.warning
+                log(
                     "kvtool: %s: the store failed %s (%s); skipping store calls for %.1f s",
                     self._name,
                     what,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import concurrent.futures
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -33,6 +34,10 @@ class StoreBusy(StoreError):
     """Every call slot is taken by calls that have not returned (a hung store)."""
 
 
+class StoreNotConnected(StoreError):
+    """The engine started while the store was unavailable and has not connected yet (``latestore``)."""
+
+
 class BoundedCalls:
     """Runs calls on at most ``limit`` threads; ``submit`` refuses a call when all are taken."""
 
@@ -40,6 +45,9 @@ class BoundedCalls:
         self._name = name
         self._limit = limit
         self._pool = _DaemonThreads(name, limit)
+        # Its threads refer to the pool, not to this object: once this is dropped without ``shutdown``
+        # (a client whose set-up failed), its idle threads end, as a ThreadPoolExecutor's did.
+        weakref.finalize(self, self._pool.shutdown)
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # notified as calls return (``wait_idle``)
         self._in_flight = 0

@@ -22,6 +22,7 @@ import json
 import os
 import re
 import struct
+import types
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -231,39 +232,62 @@ def model_identity_document(vllm_config: VllmConfig, weights_digest: str = "") -
     multimodal = _guard(lambda: _read_set(getattr(model_config, "multimodal_config", None), _MULTIMODAL_KEYS))
     if multimodal:
         document["multimodal"] = multimodal
-    effective = _guard(lambda: _effective_config(model_config))
-    if effective:
-        document["hf_effective"] = effective
+    overrides = _guard(lambda: _overrides_document(model_config))
+    if overrides:
+        document["hf_inputs"] = overrides
     return document
 
 
-# Fields of a loaded config that name where or by what it was read, not what the model computes.
-_VOLATILE_CONFIG_KEYS = ("transformers_version", "name_or_path")
-
-
-def _effective_config(model_config: Any) -> dict[str, Any] | None:
-    """The whole config the engine loaded, where it may differ from the model directory's own files
-    (which ``_files_document`` hashes) in a field ``_HF_KEYS`` does not list (a norm's epsilon, an
-    attention multiplier): read from elsewhere (``hf_config_path``) or changed by ``hf_overrides`` (a
-    callable's effect shows only here). None for an engine with neither: it keeps its namespace."""
-    if not getattr(model_config, "hf_config_path", None) and not getattr(model_config, "hf_overrides", None):
-        return None
-    hf = getattr(model_config, "hf_config", None)
-    text = getattr(model_config, "hf_text_config", None)
+def _overrides_document(model_config: Any) -> dict[str, Any] | None:
+    """What may make the loaded config differ from the model directory's own files (which
+    ``_files_document`` hashes) in a field ``_HF_KEYS`` does not list (a norm's epsilon, an attention
+    multiplier): the config files of ``hf_config_path``, and an ``hf_overrides`` function's code
+    (``_plain`` names a function only, so two lambdas were one). The inputs, not the loaded config:
+    model constructors change that in the worker's process (Falcon, Llama 4, the Transformers backend),
+    which would give the scheduler and the worker namespaces of their own. None for an engine with
+    neither: it keeps its namespace."""
     document: dict[str, Any] = {}
-    for name, config in (("config", hf), ("text_config", text if text is not hf else None)):
-        if config is not None:
-            document[name] = _guard(lambda config=config: _config_fields(config))
-    return document
+    path = getattr(model_config, "hf_config_path", None)
+    if isinstance(path, str) and path:
+        document["hf_config_files"] = _guard(lambda: _config_digests(path))
+    overrides = getattr(model_config, "hf_overrides", None)
+    if callable(overrides):
+        document["hf_overrides_code"] = _guard(lambda: _code_digest(overrides))
+    return document or None
 
 
-def _config_fields(config: Any) -> dict[str, Any]:
-    fields = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
-    return {
-        str(key): _plain(value)
-        for key, value in fields.items()
-        if not str(key).startswith("_") and key not in _VOLATILE_CONFIG_KEYS
-    }
+def _config_digests(path: str) -> dict[str, str]:
+    """Digests of the config files in ``path`` (a directory, or the config file itself)."""
+    directory = path if os.path.isdir(path) else os.path.dirname(path)
+    names = _CONFIG_FILES if os.path.isdir(path) else (os.path.basename(path),)
+    digests = {}
+    for name in names:
+        file = os.path.join(directory, name)
+        if os.path.isfile(file) and os.path.getsize(file) <= _CONFIG_MAX_BYTES:
+            with open(file, "rb") as handle:
+                digests[name] = hashlib.blake2b(handle.read(), digest_size=16).hexdigest()
+    if not digests:
+        return {"unreadable": path}  # a hub id or a remote path: the listed fields still enter
+    return digests
+
+
+def _code_digest(function: Any) -> str:
+    """A function's bytecode, constants and names, and the values its closure holds, as a digest (not
+    its file name or line numbers: hosts that installed the same code elsewhere agree)."""
+    code = getattr(function, "__code__", None)
+    if code is None:  # a callable object: its class's ``__call__``
+        call = next((vars(k)["__call__"] for k in type(function).__mro__ if "__call__" in vars(k)), None)
+        code = getattr(call, "__code__", None)
+    if code is None:
+        raise TypeError(f"no code for {type(function).__name__}")
+    cells = [_plain(cell.cell_contents) for cell in getattr(function, "__closure__", None) or ()]
+    canonical = json.dumps([_code_parts(code), cells], sort_keys=True, default=str)
+    return hashlib.blake2b(canonical.encode(), digest_size=16).hexdigest()
+
+
+def _code_parts(code: types.CodeType) -> list[Any]:
+    consts = [_code_parts(c) if isinstance(c, types.CodeType) else _plain(c) for c in code.co_consts]
+    return [code.co_code.hex(), consts, list(code.co_names)]
 
 
 def _vllm_version() -> str:

@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from .calls import StoreError
+from .calls import StoreError, StoreNotConnected
 from .backend import KVStore, PutOutcome
 
 if TYPE_CHECKING:
@@ -80,22 +80,21 @@ class LateStore:
         except StoreError as exc:
             return str(exc)
         with self._lock:
-            try:
-                for address, nbytes in self._registered:
-                    store.register(address, nbytes)
-            except StoreError as exc:
-                store.close()
-                return f"registering a staging area failed: {exc}"
-            if self._stop.is_set():  # closed while connecting: this client goes too
+            if self._stop.is_set():  # closed while connecting: this client goes too, nothing registered
                 store.close()
                 return "closed"
+            for address, nbytes in self._registered:
+                try:
+                    store.register(address, nbytes)
+                except StoreError as exc:  # as at start: transfers work unregistered (over TCP)
+                    logger.warning("kvtool: a staging area was not registered with the store (%s)", exc)
             self._store = store
         return None
 
     def _live(self) -> KVStore:
         store = self._store
         if store is None:
-            raise StoreError(f"{self._what} is not connected yet (the engine started while it was unavailable)")
+            raise StoreNotConnected(f"{self._what} is not connected yet (the engine started while it was unavailable)")
         return store
 
     def exists(self, keys: Sequence[str]) -> list[bool]:

@@ -35,6 +35,15 @@ _NO_SPACE = -200
 SETUP_TRIES = 3
 
 
+def apply_client_limits(config: KVToolConfig) -> None:
+    """``client_limits`` into this process's environment, where the operator set none. Call it before
+    other threads run where possible (the connector does, as it is made): setting a variable while a
+    native thread reads the environment is a race in the C library."""
+    for name, value in client_limits(config).items():
+        if name not in os.environ:
+            os.environ[name] = value
+
+
 def client_limits(config: KVToolConfig) -> dict[str, str]:
     """Bounds on the client's master calls, read from the environment once, as the client is set up.
 
@@ -58,7 +67,13 @@ class MooncakeStore:
         # Only the connection runs here under a time-out; every other call is bounded by TimedStore.
         self._setup = BoundedCalls("kvtool-connect", limit=1)
         self._segment: tuple[int, int] | None = None  # where set-up mapped the lent segment, if found
-        self._client = self._setup.call(self._connect, config.connect_timeout_s, "connecting to the Mooncake master")
+        try:
+            self._client = self._setup.call(
+                self._connect, config.connect_timeout_s, "connecting to the Mooncake master"
+            )
+        except BaseException:
+            self._setup.shutdown()  # its thread ends (once a setup past its time-out returns): no thread per try
+            raise
         if self._segment is not None:  # not for a set-up that outlived its time-out: that client is dropped
             self.prefault = prefault_in_background(self._segment)
 
@@ -70,8 +85,7 @@ class MooncakeStore:
         # for a port that answers but is no master: ``client_limits``).
         _check_reachable(self._config.mooncake.master_server_address, self._config.connect_timeout_s)
 
-        for name, value in client_limits(self._config).items():
-            os.environ.setdefault(name, value)
+        apply_client_limits(self._config)
         client = MooncakeDistributedStore()
         segment_bytes = self._config.mooncake.global_segment_size
         maps_before = read_maps() if self._config.mooncake.prefault_segment and segment_bytes else ""

@@ -145,3 +145,19 @@ def test_no_call_is_lost_to_a_shutdown_racing_its_submit():
         calls.shutdown()
         thread.join()
         assert all(future.result(timeout=5.0) == 1 for future in futures)
+
+
+def test_a_dropped_pool_ends_its_idle_threads():
+    """A client whose set-up failed drops its calls without shutting them down: a try every minute must
+    not leave a thread each."""
+    import gc
+
+    calls = BoundedCalls("dropped", limit=2)
+    assert calls.call(lambda: 1, 5.0, "a call") == 1
+    del calls
+    gc.collect()
+    for _ in range(200):  # polled, no time asserted
+        if not any(t.name.startswith("dropped_") for t in threading.enumerate()):
+            break
+        time.sleep(0.01)
+    assert not any(t.name.startswith("dropped_") for t in threading.enumerate())

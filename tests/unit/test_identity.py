@@ -181,20 +181,38 @@ def test_hf_overrides_are_part_of_the_identity(overrides):
     assert (with_overrides == model_identity(vllm_config())) == (overrides == {})
 
 
-@pytest.mark.parametrize(
-    "how", [{"hf_config_path": "/elsewhere"}, {"hf_overrides": _override_fn}, {"hf_overrides": {"rope_theta": 1.0}}]
-)
-def test_a_config_read_from_elsewhere_or_overridden_is_in_the_identity_whole(how):
-    """Where the loaded config need not be the model directory's (``hf_config_path``, ``hf_overrides``),
-    any field of it moves the namespace, not only those listed (a norm's epsilon changes KV too)."""
+def test_a_config_read_from_elsewhere_is_in_the_identity_by_its_files(tmp_path):
+    """``--hf-config-path``: its config files enter the identity (another norm epsilon there changes KV
+    for the same tokens), not the loaded config, which model constructors change in the worker's process."""
 
-    def build(eps, **fields):
-        return vllm_config(hf=hf_config(rms_norm_eps=eps, _name_or_path=fields.pop("path", "/m")), **how, **fields)
+    def build(eps, where):
+        where.mkdir(exist_ok=True)
+        (where / "config.json").write_text(f'{{"rms_norm_eps": {eps}}}')
+        return model_identity(vllm_config(hf_config_path=str(where)))
 
-    assert model_identity(build(1e-5)) != model_identity(build(1e-6))
-    assert model_identity(build(1e-5)) == model_identity(build(1e-5, path="/other/copy"))  # where it was read: not KV
-    # Without either, the listed fields alone (and the directory's files): every such engine keeps its namespace.
-    assert model_identity(vllm_config(hf=hf_config(rms_norm_eps=1e-5))) == model_identity(vllm_config())
+    assert build(1e-5, tmp_path / "a") != build(1e-6, tmp_path / "b")
+    assert build(1e-5, tmp_path / "a") == build(1e-5, tmp_path / "c")  # where it lies: not KV
+    base = vllm_config()
+    loaded = vllm_config(hf=hf_config(rms_norm_eps=1e-5, num_ln_in_parallel_attn=2))  # set by a constructor
+    assert model_identity(base) == model_identity(loaded)  # the loaded config's other fields never enter
+
+
+def _scale_by(factor):
+    def override(config):
+        config.rms_norm_eps = factor
+        return config
+
+    return override
+
+
+def test_an_hf_overrides_function_is_in_the_identity_by_its_code():
+    """Two functions of one name (lambdas, one factory's closures) that change the config differently
+    gave one identity; their code and closure values enter now."""
+    eps_5, eps_6 = _scale_by(1e-5), _scale_by(1e-6)
+    other = lambda config: config  # noqa: E731
+    ids = {model_identity(vllm_config(hf_overrides=f)) for f in (eps_5, eps_6, other, _override_fn)}
+    assert len(ids) == 4
+    assert model_identity(vllm_config(hf_overrides=_scale_by(1e-5))) == model_identity(vllm_config(hf_overrides=eps_5))
 
 
 def test_longrope_folds_in_the_long_factor_choice():
