@@ -34,7 +34,7 @@ from .metrics import KVToolStats
 from .ranks import rank_namespace
 from .scheduler import SchedulerSide
 from .latestore import LateStore
-from .mooncake import apply_client_limits, probe_master
+from .mooncake import probe_master
 from .store import CALL_THREADS, KVStore, StoreError, open_store
 from .worker import WORKER_STORE_CALLS, WorkerSide
 
@@ -117,8 +117,6 @@ class KVToolConnector(KVConnectorBase_V1, SupportsHMA):
         # Only the worker lends memory to the store; the scheduler side only asks what exists.
         worker = role == KVConnectorRole.WORKER
         config = self.config if worker else self.config.with_mooncake(global_segment_size=0)
-        if config.store_backend == "mooncake":
-            apply_client_limits(config)  # on this thread, before the connect thread or a retry's could
         opener = partial(open_store, config, shared=True, call_threads=WORKER_STORE_CALLS if worker else CALL_THREADS)
         shared: KVStore
         try:

@@ -30,30 +30,17 @@ logger = logging.getLogger("vllm.kvtool")
 # Mooncake error codes seen on these machines (see ENVIRONMENT.md).
 _NO_SPACE = -200
 
-# The client's setup tries this many times (each try can pick another local port for the client's own
-# server), every master call of each try bounded by ``client_limits``.
+# A probe's client tries this many times (each try can pick another local port for the client's own
+# server), every master call of each try bounded by ``probe_limits``.
 SETUP_TRIES = 3
 
 
-def apply_client_limits(config: KVToolConfig) -> None:
-    """``client_limits`` into this process's environment, where the operator set none. Call it before
-    other threads run where possible (the connector does, as it is made): setting a variable while a
-    native thread reads the environment is a race in the C library."""
-    for name, value in client_limits(config).items():
-        if name not in os.environ:
-            os.environ[name] = value
-
-
-def client_limits(config: KVToolConfig) -> dict[str, str]:
-    """Bounds on the client's master calls, read from the environment once, as the client is set up.
-
-    The setup holds the GIL while it waits, so no Python time-out can cut it: a port that accepts
-    connections but is no master (an admin port given for the RPC port) held it 30 s a try, twenty
-    tries: ten minutes in which nothing else in the process ran. Each master call is bounded to a share
-    of ``connect_timeout_s`` (at least a second), and the tries to ``SETUP_TRIES``, so set-up ends within
-    about ``connect_timeout_s``. The bound stays on the client's later master calls too (they answer in
-    milliseconds; a frozen master's calls then return within it instead of after 30 s). Variables the
-    operator set are left as they are."""
+def probe_limits(config: KVToolConfig) -> dict[str, str]:
+    """Bounds on a probe client's master calls and tries (read from the environment as a client is set
+    up), so that its setup ends within about ``connect_timeout_s``: at Mooncake's defaults a port that
+    accepts connections but is no master held a setup 30 s a try, twenty tries. Only the probe's child
+    process gets them: the engine's own client keeps Mooncake's defaults (a 3 s bound on every master
+    call cut transfers that a loaded host needed longer for)."""
     per_call_ms = max(1000, int(config.connect_timeout_s * 1000 / SETUP_TRIES))
     return {"MC_RPC_TIMEOUT_MS": str(per_call_ms), "MC_STORE_CLIENT_SETUP_RETRIES": str(SETUP_TRIES)}
 
@@ -80,12 +67,13 @@ class MooncakeStore:
     def _connect(self):
         from mooncake.store import MooncakeDistributedStore
 
-        # The client's setup holds the GIL while it retries an absent master for about 90 s, so
-        # no Python-side time-out can cut it short: ask the master's port first (and bound its calls
-        # for a port that answers but is no master: ``client_limits``).
-        _check_reachable(self._config.mooncake.master_server_address, self._config.connect_timeout_s)
-
-        apply_client_limits(self._config)
+        # The client's setup holds the GIL while it waits for a master: for about 90 s where none
+        # listens, ten minutes where a port accepts and does not answer (a frozen master, another
+        # service), and no Python-side time-out can cut it short. So the same setup is made in a child
+        # process first (``probe_master``), and here only against a master that answered it.
+        why = probe_master(self._config)
+        if why is not None:
+            raise StoreError(why)
         client = MooncakeDistributedStore()
         segment_bytes = self._config.mooncake.global_segment_size
         maps_before = read_maps() if self._config.mooncake.prefault_segment and segment_bytes else ""
@@ -224,7 +212,7 @@ def probe_master(config: KVToolConfig) -> str | None:
         return str(exc)
     mc = config.mooncake
     args = [mc.local_hostname, mc.metadata_server, 0, 1 << 20, mc.protocol, mc.device_name, address]  # lends nothing
-    env = {**client_limits(config), **os.environ}  # the operator's settings win, as in ``_connect``
+    env = {**probe_limits(config), **os.environ}  # the operator's settings win
     try:
         done = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(args)], capture_output=True, text=True,
                               env=env, timeout=config.connect_timeout_s + _PROBE_START_S)  # fmt: skip
