@@ -23,7 +23,7 @@ import os
 import re
 import struct
 import types
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .hashing import HASH_BYTES, RequestIdentity
@@ -259,13 +259,7 @@ def _overrides_document(model_config: Any) -> dict[str, Any] | None:
 def _config_digests(path: str) -> dict[str, str]:
     """Digests of the config files in ``path`` (a directory, or the config file itself)."""
     directory = path if os.path.isdir(path) else os.path.dirname(path)
-    names = _CONFIG_FILES if os.path.isdir(path) else (os.path.basename(path),)
-    digests = {}
-    for name in names:
-        file = os.path.join(directory, name)
-        if os.path.isfile(file) and os.path.getsize(file) <= _CONFIG_MAX_BYTES:
-            with open(file, "rb") as handle:
-                digests[name] = hashlib.blake2b(handle.read(), digest_size=16).hexdigest()
+    digests = _file_digests(directory, _CONFIG_FILES if os.path.isdir(path) else (os.path.basename(path),))
     if not digests:
         return {"unreadable": path}  # a hub id or a remote path: the listed fields still enter
     return digests
@@ -351,15 +345,20 @@ def _files_document(model_config: Any, load_config: Any, *, with_weights: bool) 
         return None
     if os.path.isfile(directory):  # a single-file model (GGUF)
         return {"weights": [_file_entry(directory, os.path.basename(directory))] if with_weights else "given"}
-    configs = {}
-    for name in _CONFIG_FILES:
+    document: dict[str, Any] = {"configs": _file_digests(directory, _CONFIG_FILES)}
+    document["weights"] = _weight_entries(directory) if with_weights else "given"
+    return document
+
+
+def _file_digests(directory: str, names: Sequence[str]) -> dict[str, str]:
+    """BLAKE2b-128 of each of ``names`` in ``directory`` that is a file of at most ``_CONFIG_MAX_BYTES``."""
+    digests = {}
+    for name in names:
         path = os.path.join(directory, name)
         if os.path.isfile(path) and os.path.getsize(path) <= _CONFIG_MAX_BYTES:
             with open(path, "rb") as handle:
-                configs[name] = hashlib.blake2b(handle.read(), digest_size=16).hexdigest()
-    document: dict[str, Any] = {"configs": configs}
-    document["weights"] = _weight_entries(directory) if with_weights else "given"
-    return document
+                digests[name] = hashlib.blake2b(handle.read(), digest_size=16).hexdigest()
+    return digests
 
 
 def _model_directory(model_config: Any, load_config: Any) -> str | None:

@@ -16,14 +16,11 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from .calls import StoreError, StoreNotConnected
-from .backend import KVStore, PutOutcome
-
-if TYPE_CHECKING:
-    from .staging import Lease, Region
+from .backend import KVStore
+from .store import ForwardingStore
 
 logger = logging.getLogger("vllm.kvtool")
 
@@ -31,7 +28,7 @@ RETRY_S = 5.0  # the first tries' interval; it doubles after each failed try
 MAX_RETRY_S = 60.0
 
 
-class LateStore:
+class LateStore(ForwardingStore):
     """A ``KVStore`` whose calls are misses until ``open_store`` succeeds on its thread."""
 
     def __init__(
@@ -97,33 +94,12 @@ class LateStore:
             raise StoreNotConnected(f"{self._what} is not connected yet (the engine started while it was unavailable)")
         return store
 
-    def exists(self, keys: Sequence[str]) -> list[bool]:
-        return self._live().exists(keys)
-
-    def get(self, keys: Sequence[str], object_bytes: int = 0) -> list[bytes | None]:
-        return self._live().get(keys, object_bytes)
-
-    def put(self, key: str, value: bytes) -> PutOutcome:
-        return self._live().put(key, value)
-
-    def put_many(self, items: Sequence[tuple[str, bytes]], replace: bool = False) -> PutOutcome:
-        return self._live().put_many(items, replace)
-
     def register(self, address: int, nbytes: int) -> None:
         with self._lock:
             if self._store is None:
                 self._registered.append((address, nbytes))  # registered with the client once it exists
                 return
         self._store.register(address, nbytes)
-
-    def get_into(self, keys: Sequence[str], regions: Sequence[Region], lease: Lease) -> list[int]:
-        return self._live().get_into(keys, regions, lease)
-
-    def put_from(self, items: Sequence[tuple[str, Region]], lease: Lease) -> list[PutOutcome]:
-        return self._live().put_from(items, lease)
-
-    def remove(self, key: str) -> int:
-        return self._live().remove(key)
 
     def close(self) -> None:
         with self._lock:

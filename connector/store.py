@@ -138,23 +138,11 @@ _shared_lock = threading.Lock()
 _shared: dict[tuple, tuple[KVStore, int]] = {}
 
 
-class SharedStore:
-    """A handle on the process's one backend client for a configuration."""
+class ForwardingStore:
+    """A ``KVStore`` that hands every call to the store ``_live`` gives (or raises from it)."""
 
-    def __init__(self, config: KVToolConfig):
-        self._id = (
-            config.store_backend,
-            config.mooncake.master_server_address,
-            config.mooncake.metadata_server,
-            config.mooncake.protocol,
-            config.mooncake.global_segment_size,
-        )
-        with _shared_lock:
-            store, users = _shared.get(self._id, (None, 0))
-            if store is None:
-                store = BACKENDS[config.store_backend](config)
-            _shared[self._id] = (store, users + 1)
-        self._store: KVStore | None = store
+    def _live(self) -> KVStore:
+        raise NotImplementedError
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         return self._live().exists(keys)
@@ -179,6 +167,25 @@ class SharedStore:
 
     def remove(self, key: str) -> int:
         return self._live().remove(key)
+
+
+class SharedStore(ForwardingStore):
+    """A handle on the process's one backend client for a configuration."""
+
+    def __init__(self, config: KVToolConfig):
+        self._id = (
+            config.store_backend,
+            config.mooncake.master_server_address,
+            config.mooncake.metadata_server,
+            config.mooncake.protocol,
+            config.mooncake.global_segment_size,
+        )
+        with _shared_lock:
+            store, users = _shared.get(self._id, (None, 0))
+            if store is None:
+                store = BACKENDS[config.store_backend](config)
+            _shared[self._id] = (store, users + 1)
+        self._store: KVStore | None = store
 
     def _live(self) -> KVStore:
         if self._store is None:
