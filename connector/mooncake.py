@@ -68,12 +68,12 @@ class MooncakeStore:
         from mooncake.store import MooncakeDistributedStore
 
         # The client's setup holds the GIL while it waits for a master: for about 90 s where none
-        # listens, ten minutes where a port accepts and does not answer (a frozen master, another
-        # service), and no Python-side time-out can cut it short. So the same setup is made in a child
-        # process first (``probe_master``), and here only against a master that answered it.
-        why = probe_master(self._config)
-        if why is not None:
-            raise StoreError(why)
+        # listens, so the master's port is asked first. A port that accepts and does not answer (a
+        # frozen master, another service) still holds it, up to ten minutes: callers that must not wait
+        # so (a connect while the engine serves, ``latestore``; ``kvtool inspect``) ask
+        # ``probe_master`` first. At an engine's start it is not asked: its child is a client that comes
+        # and goes, which the README's known transport stall follows.
+        _check_reachable(self._config.mooncake.master_server_address, self._config.connect_timeout_s)
         client = MooncakeDistributedStore()
         segment_bytes = self._config.mooncake.global_segment_size
         maps_before = read_maps() if self._config.mooncake.prefault_segment and segment_bytes else ""
