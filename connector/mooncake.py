@@ -39,8 +39,8 @@ def probe_limits(config: KVToolConfig) -> dict[str, str]:
     """Bounds on a probe client's master calls and tries (read from the environment as a client is set
     up), so that its setup ends within about ``connect_timeout_s``: at Mooncake's defaults a port that
     accepts connections but is no master held a setup 30 s a try, twenty tries. Only the probe's child
-    process gets them: the engine's own client keeps Mooncake's defaults (a 3 s bound on every master
-    call cut transfers that a loaded host needed longer for)."""
+    process gets them: the engine's own client keeps Mooncake's defaults (with such a bound on it, CI's
+    TP pair met the README's known transport stall; not shown to be the cause, but not kept either)."""
     per_call_ms = max(1000, int(config.connect_timeout_s * 1000 / SETUP_TRIES))
     return {"MC_RPC_TIMEOUT_MS": str(per_call_ms), "MC_STORE_CLIENT_SETUP_RETRIES": str(SETUP_TRIES)}
 
