@@ -5,10 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from connector.hashing import MAX_TOKEN_ID  # what the key schema encodes
 from kvtool.errors import UserError
-
-
-MAX_TOKEN_ID = 2**32 - 1  # what the key schema encodes (connector.hashing)
 
 
 def parse_token_ids(text: str, what: str = "the prompt") -> list[int] | None:
