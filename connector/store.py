@@ -34,8 +34,8 @@ CLOSE_WAIT_S = 1.0  # closing waits this long for calls still running (``TimedSt
 # Calls a store stack runs at once. It must take every call its users' threads can make together, and
 # a spare for one call abandoned at its time-out: a call refused for want of a slot (``StoreBusy``)
 # counts as a hung store and opens the breaker. The scheduler side's callers are its lookup thread
-# and its pointer reads; the worker's are its fetch threads and its put thread, five, which four slots
-# do not cover (``worker.WORKER_STORE_CALLS``: six were tried and taken back; an open item).
+# and its pointer reads; the worker's are its fetch threads and its put thread, five, so the worker's
+# stack takes more (``worker.WORKER_STORE_CALLS``).
 CALL_THREADS = 4
 
 

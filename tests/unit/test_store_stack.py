@@ -10,8 +10,11 @@ import pytest
 from connector.calls import StoreBusy, StoreTimeout
 from connector.config import load_config
 from connector.faults import FaultyStore
+from connector.breaker import CircuitBreaker, GuardedStore
+from connector.loader import LOAD_THREADS
 from connector.staging import StagingArea
 from connector.store import PutOutcome, TimedStore
+from connector.worker import WORKER_STORE_CALLS
 
 from .scripted_store import ScriptedStore
 
@@ -41,6 +44,45 @@ def test_a_hung_backend_call_is_a_timeout_and_hung_calls_never_queue_others():
     finally:
         backend.release.set()
         store.close()
+
+
+def test_a_busy_healthy_store_takes_every_worker_call_at_once_and_keeps_the_breaker_closed():
+    """Every fetch thread transferring and the put thread's call beside them: a worker's stack takes them
+    all (with four slots the put was refused, ``StoreBusy``, and that opened the breaker)."""
+
+    class Transferring(ScriptedStore):
+        def __init__(self):
+            super().__init__()
+            self.release, self.started = threading.Event(), threading.Semaphore(0)
+
+        def get_into(self, keys, regions, lease):
+            self.started.release()
+            self.release.wait()
+            return [len(region.view) for region in regions]
+
+        def put_from(self, items, lease):
+            return [PutOutcome.STORED] * len(items)
+
+    backend, breaker = Transferring(), CircuitBreaker()
+    config = load_config({"master_server_address": "127.0.0.1:1", "load_timeout_s": 30, "save_timeout_s": 30})
+    store = GuardedStore(TimedStore(backend, config, limit=WORKER_STORE_CALLS), breaker, "worker")
+    area = StagingArea("test", 64, LOAD_THREADS + 1)
+    leases = [area.take(1) for _ in range(LOAD_THREADS + 1)]
+    loads = [threading.Thread(target=store.get_into, args=(["k"], [lease.region(0)], lease)) for lease in leases[:-1]]
+    try:
+        for load in loads:
+            load.start()
+        for _ in loads:
+            assert backend.started.acquire(timeout=10)  # every fetch thread is inside its transfer
+        saved = leases[-1]
+        assert store.put_from([("a save", saved.region(0))], saved) == [PutOutcome.STORED]
+        assert not breaker.is_open
+    finally:
+        backend.release.set()
+        for load in loads:
+            load.join()
+        store._store.close()  # noqa: SLF001 - the timed store under the breaker
+    assert not breaker.is_open
 
 
 def test_closing_leaves_the_client_open_under_a_call_that_has_not_returned(monkeypatch):
@@ -85,6 +127,7 @@ def test_faults_wrap_the_interface(tmp_path):
 
 
 def test_faults_wrap_the_zero_copy_batches_too(tmp_path):
+    from connector.staging import StagingArea
 
     backend = ScriptedStore()
     backend.objects["kvtool/2/ns/0/b/32/aa"] = bytes(range(32))
