@@ -118,8 +118,15 @@ class KVToolConnector(KVConnectorBase_V1, SupportsHMA):
         worker = role == KVConnectorRole.WORKER
         config = self.config if worker else self.config.with_mooncake(global_segment_size=0)
         opener = partial(open_store, config, shared=True, call_threads=WORKER_STORE_CALLS if worker else CALL_THREADS)
+        # The client's setup holds the GIL while a port that accepts does not answer (a frozen master,
+        # another service on the port): up to ten minutes of a stalled start. The same setup is made
+        # first in a child process, bounded there (``mooncake.probe_master``).
+        probe = partial(probe_master, config) if config.store_backend == "mooncake" else lambda: None
         shared: KVStore
         try:
+            why = probe()
+            if why is not None:
+                raise StoreError(why)
             shared = opener()
         except StoreError as exc:
             address = self.config.mooncake.master_server_address
@@ -129,7 +136,6 @@ class KVToolConnector(KVConnectorBase_V1, SupportsHMA):
                 address,
                 exc,
             )
-            probe = partial(probe_master, config) if config.store_backend == "mooncake" else lambda: None
             shared = LateStore(opener, probe, what=f"the Mooncake store at {address}")
         side = "worker" if worker else "scheduler"
         # Counted outside the breaker: a call's time is what its caller waited, skips included.

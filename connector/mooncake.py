@@ -69,10 +69,8 @@ class MooncakeStore:
 
         # The client's setup holds the GIL while it waits for a master: for about 90 s where none
         # listens, so the master's port is asked first. A port that accepts and does not answer (a
-        # frozen master, another service) still holds it, up to ten minutes: callers that must not wait
-        # so (a connect while the engine serves, ``latestore``; ``kvtool inspect``) ask
-        # ``probe_master`` first. At an engine's start it is not asked: its child is a client that comes
-        # and goes, which the README's known transport stall follows.
+        # frozen master, another service) still holds it, up to ten minutes: callers ask
+        # ``probe_master`` first (an engine's start and its later tries, ``latestore``; ``kvtool inspect``).
         _check_reachable(self._config.mooncake.master_server_address, self._config.connect_timeout_s)
         client = MooncakeDistributedStore()
         segment_bytes = self._config.mooncake.global_segment_size

@@ -1,6 +1,10 @@
 """An engine whose Mooncake master cannot be reached at start-up serves without the connector's help,
-with one warning, instead of failing to start; once the master is up, the engine connects to it on its
-own and saves there."""
+with one warning, instead of failing to start or stalling its start; once the master is up, the engine
+connects to it on its own and saves there.
+
+Its master's port is held by a listener that accepts connections and never answers (a frozen master,
+or another service on the port): a Mooncake client's setup in the engine's process would hold the GIL
+there for up to ten minutes; the connector makes that setup in a child process first."""
 
 from __future__ import annotations
 
@@ -8,8 +12,11 @@ import contextlib
 import json
 import os
 import signal
+import socket
+import struct
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -28,11 +35,41 @@ pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
 
 
+class SilentListener:
+    """Accepts connections on a port and never answers; closing resets them (no TIME_WAIT left on the
+    port, which the master binds next)."""
+
+    def __init__(self, port: int):
+        self._server = socket.create_server(("127.0.0.1", port))
+        self._server.settimeout(0.2)  # the accept loop looks at the stop flag this often
+        self._held: list[socket.socket] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._server.accept()
+            except TimeoutError:
+                continue
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self._held.append(conn)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._server.close()
+        for conn in self._held:
+            conn.close()
+
+
 def test_an_unreachable_master_at_start_leaves_the_engine_serving_until_it_comes(tmp_path):
     model = str(ensure_default_model())
     port = find_free_port()
-    master = LocalMaster()  # its ports picked, not started: nothing listens there yet
+    master = LocalMaster()  # its ports picked, not started: a listener that never answers holds its RPC port
     dead_master = master.rpc_port
+    silent = SilentListener(dead_master)
     transfer = {
         "kv_connector": "KVToolConnector",
         "kv_connector_module_path": "connector.connector",
@@ -77,11 +114,14 @@ def test_an_unreachable_master_at_start_leaves_the_engine_serving_until_it_comes
         answer = complete(f"http://127.0.0.1:{port}", model, list(range(10, 60)), max_tokens=3)
         assert answer["choices"][0]["finish_reason"]
         assert hit_details(answer).external_hit_tokens == 0
+        silent.close()
         master.start()
+        # Both engine sides (scheduler and worker) connect, each on its own tries' schedule: a request
+        # sent once only one has would be saved by neither.
         deadline = time.monotonic() + 300  # tries back off from 5 s to 60 s
-        while "answers now" not in log_path.read_text() and time.monotonic() < deadline:
+        while log_path.read_text().count("answers now") < 2 and time.monotonic() < deadline:
             time.sleep(1)
-        assert "answers now" in log_path.read_text(), "the engine never connected to the master that came up"
+        assert log_path.read_text().count("answers now") == 2, "the engine never connected to the master that came up"
         complete(f"http://127.0.0.1:{port}", model, list(range(100, 180)), max_tokens=1)
         deadline = time.monotonic() + 60
         while not [k for k in open_admin(master.admin).keys() if k.startswith("kvtool/")]:
@@ -96,6 +136,7 @@ def test_an_unreachable_master_at_start_leaves_the_engine_serving_until_it_comes
             engine.wait()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(engine.pid, signal.SIGKILL)  # anything of the engine's that outlived it
+        silent.close()
         master.stop()
     warnings = [line for line in log_path.read_text().splitlines() if "is unavailable" in line and "kvtool" in line]
     # One from the scheduler side and one from the worker side; nothing per request.
