@@ -192,17 +192,25 @@ def _check_reachable(address: str, timeout_s: float) -> None:
 
 _PROBE = """
 import json, os, sys
-from mooncake.store import MooncakeDistributedStore
+try:
+    from mooncake.store import MooncakeDistributedStore
+except BaseException as exc:
+    print(f"mooncake.store cannot be imported: {exc!r}", file=sys.stderr, flush=True)
+    os._exit(4)
 code = MooncakeDistributedStore().setup(*json.loads(sys.argv[1]))
-print(code, flush=True)
 os._exit(0 if code == 0 else 3)
 """
+_PROBE_SETUP_FAILED = 3  # the child's setup returned an error: the master's answer (or none)
 _PROBE_START_S = 10.0  # the child's interpreter and the client library's start, on a busy host
 
 
 def probe_master(config: KVToolConfig) -> str | None:
     """Whether a client set up in a child process reaches the master within ``connect_timeout_s``: None
-    if it did, else why not. Its setup holds the child's GIL, never this process's (``latestore``)."""
+    if it did, else why not. Its setup holds the child's GIL, never this process's (``latestore``).
+
+    A probe that cannot judge (no child process, a child that cannot import the client library, a bug)
+    is logged and answers None: the setup is then made as it was before probes, in the caller's
+    process, rather than the engine going without its store for good."""
     address = config.mooncake.master_server_address
     try:
         _check_reachable(address, config.connect_timeout_s)  # nothing listening: no child needed
@@ -213,6 +221,24 @@ def probe_master(config: KVToolConfig) -> str | None:
         # 5 to 30 s here after a group started: past any bound a probe could keep, so it is made here as
         # before (the etcd endpoint being a real one is what the group's operator controls).
         return None
+    mc = config.mooncake
+    args = [mc.local_hostname, mc.metadata_server, 0, 1 << 20, mc.protocol, mc.device_name, address]  # lends nothing
+    env = {**probe_limits(config), **os.environ}  # the operator's settings win
+    try:
+        done = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(args)], capture_output=True, env=env,
+                              timeout=config.connect_timeout_s + _PROBE_START_S)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return f"the Mooncake master at {address} accepts connections but did not answer a client's setup"
+    except OSError as exc:
+        logger.warning("kvtool: no child process for the master probe (%s); the client is set up unprobed", exc)
+        return None
+    if done.returncode == _PROBE_SETUP_FAILED or done.returncode < 0:  # its setup failed, or died in it
+        return f"a client's setup against the Mooncake master at {address} failed (exit {done.returncode})"
+    if done.returncode != 0:
+        said = done.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["nothing"]
+        logger.warning("kvtool: the master probe could not run (exit %d: %s); the client is set up unprobed",
+                       done.returncode, said[0][:300])  # fmt: skip
+    return None
     mc = config.mooncake
     args = [mc.local_hostname, mc.metadata_server, 0, 1 << 20, mc.protocol, mc.device_name, address]  # lends nothing
     env = {**probe_limits(config), **os.environ}  # the operator's settings win

@@ -68,6 +68,7 @@ def test_an_unreachable_master_is_a_store_error(store_config):
 def test_inspect_with_a_port_that_answers_but_is_no_master_is_one_sentence_not_a_hang():
     """An admin port given for the RPC port: the client's setup (which holds the GIL) retried it for ten
     minutes, through SIGTERM; a probe in a child process says why within the time-out."""
+    import contextlib
     import socket
     import threading
 
@@ -75,7 +76,12 @@ def test_inspect_with_a_port_that_answers_but_is_no_master_is_one_sentence_not_a
     from kvtool.inspect.target import Target, open_reader
 
     listener = socket.create_server(("127.0.0.1", 0))
-    threading.Thread(target=lambda: [listener.accept() for _ in range(8)], daemon=True).start()
+
+    def hold() -> None:
+        with contextlib.suppress(OSError):  # the listener closed under it
+            held = [listener.accept() for _ in range(8)]  # noqa: F841 - kept open, never answered
+
+    threading.Thread(target=hold, daemon=True).start()
     try:
         target = Target(admin="http://127.0.0.1:1", master=f"127.0.0.1:{listener.getsockname()[1]}")
         with pytest.raises(ServerError, match="RPC port"):
@@ -202,5 +208,35 @@ def test_the_probe_says_why_a_port_that_answers_but_is_no_master_is_not_one():
         config = load_config({"master_server_address": address, "global_segment_size": 0, "connect_timeout_s": 2})
         why = probe_master(config)  # the setup waits in a child process; this one goes on
         assert why is not None and address in why
+    finally:
+        listener.close()
+
+
+@pytest.mark.parametrize("interpreter", ["/bin/false", "/nonexistent/python"])
+def test_a_probe_that_cannot_run_lets_the_setup_go_on_unprobed(monkeypatch, interpreter):
+    """A child that cannot judge (it cannot import the client library, or cannot start) says so in the
+    log and answers None: the caller sets its client up as before probes, instead of going without the
+    store for good. Only a setup that failed, timed out or crashed in the child is the master's."""
+    import logging
+    import socket
+    import sys
+
+    from connector.config import load_config
+    from connector.mooncake import probe_master
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    try:
+        address = f"127.0.0.1:{listener.getsockname()[1]}"
+        config = load_config({"master_server_address": address, "global_segment_size": 0, "connect_timeout_s": 2})
+        monkeypatch.setattr(sys, "executable", interpreter)
+        said: list[str] = []
+        handler = logging.Handler(logging.WARNING)
+        handler.emit = lambda record: said.append(record.getMessage())  # vLLM's "vllm" logger may not propagate
+        logging.getLogger("vllm.kvtool").addHandler(handler)
+        try:
+            assert probe_master(config) is None
+        finally:
+            logging.getLogger("vllm.kvtool").removeHandler(handler)
+        assert any("set up unprobed" in line for line in said), said
     finally:
         listener.close()
