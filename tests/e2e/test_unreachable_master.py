@@ -64,17 +64,13 @@ class SilentListener:
             conn.close()
 
 
-def test_an_unreachable_master_at_start_leaves_the_engine_serving_until_it_comes(tmp_path):
-    model = str(ensure_default_model())
-    port = find_free_port()
-    master = LocalMaster()  # its ports picked, not started: a listener that never answers holds its RPC port
-    dead_master = master.rpc_port
-    silent = SilentListener(dead_master)
+def _engine(model: str, port: int, master_port: int) -> tuple[list[str], dict[str, str]]:
+    """A kv_both engine's command line and environment, its connector pointed at ``master_port``."""
     transfer = {
         "kv_connector": "KVToolConnector",
         "kv_connector_module_path": "connector.connector",
         "kv_role": "kv_both",
-        "kv_connector_extra_config": {"master_server_address": f"127.0.0.1:{dead_master}", "connect_timeout_s": 2},
+        "kv_connector_extra_config": {"master_server_address": f"127.0.0.1:{master_port}", "connect_timeout_s": 2},
     }
     argv = [
         sys.executable,
@@ -106,6 +102,16 @@ def test_an_unreachable_master_at_start_leaves_the_engine_serving_until_it_comes
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "PYTHONPATH": str(REPO),
     }
+    return argv, env
+
+
+def test_an_unreachable_master_at_start_leaves_the_engine_serving_until_it_comes(tmp_path):
+    model = str(ensure_default_model())
+    port = find_free_port()
+    master = LocalMaster()  # its ports picked, not started: a listener that never answers holds its RPC port
+    dead_master = master.rpc_port
+    silent = SilentListener(dead_master)
+    argv, env = _engine(model, port, dead_master)
     log_path = tmp_path / "engine.log"
     try:
         with open(log_path, "wb") as log:
