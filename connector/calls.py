@@ -5,17 +5,12 @@ library, where no Python time-out can cut them. ``BoundedCalls`` lets the caller
 thread stays stuck until the library returns. So the number of calls in flight (stuck ones included)
 is capped: past the cap a new call fails at once with ``StoreError`` (a miss), and nothing queues
 behind the stuck threads. When the store comes back, the stuck calls return and free their threads.
-The threads are daemons: a call stuck in the library must not hold the engine's exit (the
-interpreter joins a ``ThreadPoolExecutor``'s threads at exit, so a frozen store kept a stopping
-engine alive until vLLM killed it).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import queue
 import threading
-import weakref
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -44,10 +39,7 @@ class BoundedCalls:
     def __init__(self, name: str, limit: int = 4):
         self._name = name
         self._limit = limit
-        self._pool = _DaemonThreads(name, limit)
-        # Its threads refer to the pool, not to this object: once this is dropped without ``shutdown``
-        # (a client whose set-up failed), its idle threads end, as a ThreadPoolExecutor's did.
-        weakref.finalize(self, self._pool.shutdown)
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=limit, thread_name_prefix=name)
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # notified as calls return (``wait_idle``)
         self._in_flight = 0
@@ -86,66 +78,7 @@ class BoundedCalls:
         return result_of(self.submit(fn, what), timeout_s, what)
 
     def shutdown(self) -> None:
-        self._pool.shutdown()
-
-
-class _DaemonThreads:
-    """Up to ``limit`` daemon threads running submitted calls, started as calls need them. The caller
-    keeps at most ``limit`` calls in flight, so a call waits for no other call: a thread is free, or
-    one is started, or (every thread made) one is finishing and takes it next."""
-
-    def __init__(self, name: str, limit: int):
-        self._name, self._limit = name, limit
-        self._work: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._threads = 0  # started
-        self._free = 0  # waiting for work that no call has claimed yet
-        self._unclaimed = 0  # calls queued with no free thread claimed for them
-        self._closed = False
-
-    def submit(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
-        """Queue ``fn`` for a thread; a thread that cannot be started leaves nothing queued (the call is
-        refused, never run later behind the caller's back: a load's slots go to another load once its
-        call is refused)."""
-        future: concurrent.futures.Future[T] = concurrent.futures.Future()
-        with self._lock:  # the queue's order is the lock's: no call lands behind ``shutdown``'s stops
-            if self._closed:
-                raise RuntimeError("cannot schedule new calls after shutdown")
-            if self._free:
-                self._free -= 1
-            elif self._threads < self._limit:
-                name = f"{self._name}_{self._threads}"
-                threading.Thread(target=self._run, name=name, daemon=True).start()  # RuntimeError: refused
-                self._threads += 1
-            else:
-                self._unclaimed += 1
-            self._work.put((future, fn))
-        return future
-
-    def _run(self) -> None:
-        while True:
-            item = self._work.get()
-            if item is None:
-                return
-            future, fn = item
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn())
-                except BaseException as exc:  # handed to the caller, as a ThreadPoolExecutor does
-                    future.set_exception(exc)
-            del item, future, fn  # a call's result is not kept alive by an idle thread
-            with self._lock:
-                if self._unclaimed:
-                    self._unclaimed -= 1  # the call queued for the next free thread: this one
-                else:
-                    self._free += 1
-
-    def shutdown(self) -> None:
-        """Refuse new calls; each idle thread ends, a busy one once its call returns."""
-        with self._lock:
-            self._closed = True
-            for _ in range(self._threads):
-                self._work.put(None)
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 def result_of(future: concurrent.futures.Future[T], timeout_s: float, what: str) -> T:
