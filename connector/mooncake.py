@@ -239,16 +239,3 @@ def probe_master(config: KVToolConfig) -> str | None:
         logger.warning("kvtool: the master probe could not run (exit %d: %s); the client is set up unprobed",
                        done.returncode, said[0][:300])  # fmt: skip
     return None
-    mc = config.mooncake
-    args = [mc.local_hostname, mc.metadata_server, 0, 1 << 20, mc.protocol, mc.device_name, address]  # lends nothing
-    env = {**probe_limits(config), **os.environ}  # the operator's settings win
-    try:
-        done = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(args)], capture_output=True, text=True,
-                              env=env, timeout=config.connect_timeout_s + _PROBE_START_S)  # fmt: skip
-    except subprocess.TimeoutExpired:
-        return f"the Mooncake master at {address} accepts connections but did not answer a client's setup"
-    except OSError as exc:
-        return f"no child process for the probe ({exc})"
-    if done.returncode != 0:
-        return f"a client's setup against the Mooncake master at {address} failed (exit {done.returncode})"
-    return None
