@@ -60,12 +60,16 @@ class LateStore(ForwardingStore):
         wait = self._retry_s
         while not self._stop.wait(wait):
             self.tries += 1
-            why = self._try()
+            try:
+                why = self._try()
+            except Exception as exc:  # noqa: BLE001 - a bug costs this try, never the tries after it
+                logger.exception("kvtool: trying %s failed", self._what)
+                why = f"{type(exc).__name__}: {exc}"
             if why is None:
                 logger.warning("kvtool: %s answers now; the connector loads and saves from here on", self._what)
                 return
-            logger.info("kvtool: %s still unavailable (%s); next try in %.0f s", self._what, why, wait)
             wait = min(wait * 2, self._max_retry_s)
+            logger.info("kvtool: %s still unavailable (%s); next try in %.0f s", self._what, why, wait)
 
     def _try(self) -> str | None:
         """Connect and register what was registered meanwhile; None once connected, else why not."""

@@ -79,6 +79,23 @@ def test_a_probe_that_says_no_keeps_the_store_closed_and_no_client_is_made():
         late.close()
 
 
+def test_a_try_that_raises_a_bug_is_one_failed_try_not_the_end_of_the_tries():
+    answers = iter([RuntimeError("a bug in the probe"), None])
+
+    def probe():
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    late = LateStore(Registering, probe, retry_s=0.001)
+    try:
+        until(lambda: late.connected, "a raising try ended the tries")
+        assert late.tries == 2
+    finally:
+        late.close()
+
+
 def test_a_registration_the_new_client_refuses_is_said_and_the_client_kept():
     """As at start: a staging area the store does not register still transfers (over TCP)."""
 
