@@ -98,6 +98,20 @@ def produce(pair: dict, tokens: list[int], expect_stored: bool = True) -> HitDet
     return details
 
 
+def produce_whole(pair: dict, seed: int, length: int, tries: int = 3) -> tuple[list[int], HitDetails]:
+    """A fresh prompt of ``length`` tokens stored whole on every rank: up to ``tries`` prompts (seeds
+    ``seed``, ``seed + 1000``, ...). A put that meets Mooncake's first-transfer stall fails closed (the
+    save ends without that object: the README's known issues), which a warm-up makes rare but cannot
+    rule out on a TP pair's four segments; a save that is never whole in ``tries`` fails the test."""
+    missing = None
+    for number in range(tries):
+        tokens = prompt(seed + 1000 * number, length)
+        details, missing = _saved(pair, tokens)
+        if missing is None:
+            return tokens, details
+    raise AssertionError(f"no whole save in {tries} prompts: {missing}")
+
+
 def consume(
     pair: dict, tokens: list[int], engine: str = "consumer", max_tokens: int = GENERATE
 ) -> tuple[HitDetails, dict]:

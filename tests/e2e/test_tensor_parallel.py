@@ -21,7 +21,7 @@ from connector.ranks import keys_on_every_rank
 from kvtool.store.admin import open_admin
 
 from .conftest import running_pair
-from .pairtools import consume, faults, produce, prompt, remove, warm_loads
+from .pairtools import consume, faults, produce_whole, remove, warm_loads
 
 pytestmark = pytest.mark.e2e
 
@@ -44,8 +44,7 @@ def _keys(pair: dict, tokens: list[int], namespace: str) -> PromptKeys:
 
 
 def test_every_rank_saves_its_share_and_a_consumer_loads_them_all(tp_pair):
-    tokens = prompt(9101, LENGTH)
-    saved = produce(tp_pair, tokens)  # waits for every rank's final watermark record
+    tokens, saved = produce_whole(tp_pair, 9101, LENGTH)
     assert len(saved.tp_namespaces) == TP and saved.tp_namespaces[0] == saved.namespace
     admin = open_admin(tp_pair["admin"])
     keys = _keys(tp_pair, tokens, saved.namespace)
@@ -61,8 +60,7 @@ def test_every_rank_saves_its_share_and_a_consumer_loads_them_all(tp_pair):
 
 
 def test_a_prefix_one_rank_lacks_is_not_a_hit(tp_pair):
-    tokens = prompt(9102, LENGTH)
-    saved = produce(tp_pair, tokens)
+    tokens, saved = produce_whole(tp_pair, 9102, LENGTH)
     keys = _keys(tp_pair, tokens, saved.namespace)
     remove(tp_pair, keys_on_every_rank(keys.block_key(1), saved.tp_namespaces)[1])  # rank 1's second block
 
@@ -72,8 +70,7 @@ def test_a_prefix_one_rank_lacks_is_not_a_hit(tp_pair):
 
 
 def test_a_load_that_fails_on_one_rank_only_is_recomputed(tp_pair):
-    tokens = prompt(9103, LENGTH)
-    saved = produce(tp_pair, tokens)
+    tokens, saved = produce_whole(tp_pair, 9103, LENGTH)
     with faults(tp_pair, corrupt_get="flip", get_namespaces=[saved.tp_namespaces[1]]):
         details, _ = consume(tp_pair, tokens)  # rank 0's objects load; rank 1's fail their checksum
     assert details.lookup.startswith("load failed") and details.load_failure == "checksum", details
