@@ -14,8 +14,9 @@ from pathlib import Path
 
 from connector.config import load_config
 from connector.hits import HitDetails
-from connector.store import TimedStore, open_store
-from kvtool.store.admin import open_admin, wait_for_key
+from connector.store import PutOutcome, StoreError, TimedStore, open_store
+from kvtool import prometheus
+from kvtool.store.admin import metrics_text, open_admin, wait_for_key
 from kvtool.client import complete
 from kvtool.pair.procs import http_ok
 from kvtool.verify import compare_answers
@@ -63,10 +64,58 @@ def hit_details(response: dict) -> HitDetails:
     return details
 
 
+# The store's capacity when a test first found it serving, by admin URL: every engine's segment mounted.
+_capacity: dict[str, float] = {}
+STORE_SERVING_TIMEOUT_S = 120.0
+
+
+def wait_store_serving(pair: dict, timeout_s: float = STORE_SERVING_TIMEOUT_S) -> None:
+    """Wait until the pair's store serves: its master answers and every segment the engines lend is
+    mounted on it (its capacity is back at what it was when first seen); after a wait, a test client's
+    put and existence query must be answered too. A master that an earlier test killed or froze is
+    replaced by serve-pair with no segment mounted: its puts fail for "insufficient space" until the
+    engines' clients mount theirs again, and a test that published then would find nothing stored
+    (issue 41). One HTTP request when the store serves (no client of its own: clients coming and going
+    on the master are what the README's known first-transfer stall follows)."""
+    admin, deadline, waited = pair["admin"], time.monotonic() + timeout_s, False
+    while True:
+        try:
+            capacity = prometheus.total(metrics_text(admin, timeout_s=5.0), "master_total_capacity_bytes") or 0.0
+            why = f"{capacity:.0f} bytes of segments mounted of {_capacity.get(admin, 0.0):.0f}"
+        except Exception as exc:  # noqa: BLE001 - a master being replaced does not answer: wait
+            capacity, why = 0.0, f"its admin did not answer ({exc})"
+        if capacity > 0 and capacity >= _capacity.get(admin, 0.0):
+            _capacity.setdefault(admin, capacity)
+            if not waited:
+                return
+            why = _answers_a_put(pair)
+            if why is None:
+                return
+        waited = True
+        assert time.monotonic() < deadline, f"the pair's store did not serve in {timeout_s:.0f} s: {why}"
+        time.sleep(0.5)
+
+
+def _answers_a_put(pair: dict) -> str | None:
+    """None when a test client's put of a fresh key and an existence query of it both succeed."""
+    key = f"kvtool-test/serving/{uuid.uuid4().hex}"
+    try:
+        with store_client(pair) as client:
+            if client.put(key, b"serving") is not PutOutcome.STORED:
+                return "a put was refused"
+            if client.exists([key]) != [True]:
+                return "a stored key was not found"
+            client.remove(key)
+    except StoreError as exc:
+        return f"a store call failed ({exc})"
+    return None
+
+
 def _saved(pair: dict, tokens: list[int], timeout_s: float = 60.0) -> tuple[HitDetails, str | None]:
     """Ask the producer for ``tokens`` and wait until its save ended (its final watermark record is
     written after every put, on every TP rank); the hit details and what is missing (None: every rank's
-    last object is stored)."""
+    last object is stored). The store is waited for first (``wait_store_serving``)."""
+    wait_store_serving(pair)
     details = hit_details(complete(pair["producer"], pair["model"], tokens, max_tokens=1))
     assert details.watermark_key, f"the producer published nothing: {details}"
     store = open_admin(pair["admin"])
@@ -93,6 +142,7 @@ def produce(pair: dict, tokens: list[int], expect_stored: bool = True) -> HitDet
         details, missing = _saved(pair, tokens)
         assert missing is None, missing
         return details
+    wait_store_serving(pair)
     details = hit_details(complete(pair["producer"], pair["model"], tokens, max_tokens=1))
     wait_save_ended(pair, details)
     return details
