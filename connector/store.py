@@ -5,8 +5,16 @@ store and registered staging memory (``register``, ``get_into``, ``put_from``), 
 (``mooncake.MooncakeStore``, chosen by the config's ``store_backend``) makes the calls; extras wrap
 the interface: fault injection for tests (``faults.FaultyStore``), time-outs on a bounded set of
 threads (``TimedStore``: a slow or wedged store becomes a ``StoreError``, a miss to the caller, and
-calls that hang never pile up threads or a queue), and the circuit breaker (``breaker.GuardedStore``).
-``open_store`` stacks them.
+calls that hang never pile up threads or a queue), no key twice in one batch
+(``uniquekeys.UniqueKeysStore``: the Mooncake client answers a repeated key wrong), and the circuit
+breaker (``breaker.GuardedStore``).
+
+``open_store`` stacks them, from the bottom: the backend (``SharedStore``: the process's one client),
+``FaultyStore`` (tests only: its faults stand for the backend's), ``UniqueKeysStore``, ``TimedStore``.
+Every caller's batch thus reaches the backend with each key once; a test's wrapper that emulates
+the client (its wrong answer to a repeated key, say) goes under the guard, where the client is; and
+the copies into a repeated key's other regions run within the timed call, while its lease is held. The
+connector puts ``breaker.GuardedStore`` and ``instrumented.InstrumentedStore`` above the stack.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from typing import TYPE_CHECKING, TypeVar
 from .calls import BoundedCalls, StoreError, result_of
 from .backend import KVStore, PutOutcome
 from .config import KVToolConfig
+from .uniquekeys import UniqueKeysStore
 
 if TYPE_CHECKING:
     from .staging import Lease, Region
@@ -119,8 +128,8 @@ BACKENDS: dict[str, Callable[[KVToolConfig], KVStore]] = {"mooncake": _mooncake}
 
 
 def open_store(config: KVToolConfig, *, shared: bool = False, call_threads: int = CALL_THREADS) -> TimedStore:
-    """The configured backend, with fault injection when a test configured it, under time-outs
-    (``call_threads`` calls at once).
+    """The configured backend, with fault injection when a test configured it, each key once per
+    batch, under time-outs (``call_threads`` calls at once).
 
     ``shared``: one backend client per process and configuration (vLLM may run the scheduler and
     the worker side in one process; they then share a client and its segment instead of lending the
@@ -132,7 +141,7 @@ def open_store(config: KVToolConfig, *, shared: bool = False, call_threads: int 
 
         logger.warning("kvtool: FAULT INJECTION is on (%s); never use this in production", config.fault_control_file)
         backend = FaultyStore(backend, config.fault_control_file)
-    return TimedStore(backend, config, limit=call_threads)
+    return TimedStore(UniqueKeysStore(backend), config, limit=call_threads)
 
 
 _shared_lock = threading.Lock()

@@ -59,6 +59,52 @@ class ScriptedStore:
         pass
 
 
+class RepeatedKeyStore(ScriptedStore):
+    """Answers a batch that names a key twice the way Mooncake 0.3.13.post1's client does (measured
+    against a real master): success at full length for every slot, but only the key's last slot holds
+    its bytes; the earlier ones hold other bytes (the client's: another key's, zeros, or the region
+    left as it was; zeros here). Records every batch that named a key twice, as (call, keys), in
+    ``repeated``: a store under ``UniqueKeysStore`` must never see one."""
+
+    def __init__(self):
+        super().__init__()
+        self.repeated: list[tuple[str, list[str]]] = []
+
+    def _note(self, call, keys) -> set[int]:
+        """Record a batch with a repeated key; the positions of each repeated key but its last."""
+        keys = list(keys)
+        last = {key: position for position, key in enumerate(keys)}
+        spoiled = {position for position, key in enumerate(keys) if last[key] != position}
+        if spoiled:
+            self.repeated.append((call, keys))
+        return spoiled
+
+    def exists(self, keys):
+        self._note("exists", keys)
+        return super().exists(keys)
+
+    def get(self, keys, object_bytes=0):
+        spoiled = self._note("get", keys)
+        values = super().get(keys, object_bytes)
+        return [bytes(len(v)) if v is not None and i in spoiled else v for i, v in enumerate(values)]
+
+    def get_into(self, keys, regions, lease):
+        spoiled = self._note("get_into", keys)
+        counts = super().get_into(keys, regions, lease)
+        for position in spoiled:
+            if counts[position] > 0:
+                regions[position].view[: counts[position]] = bytes(counts[position])
+        return counts
+
+    def put_many(self, items, replace=False):
+        self._note("put_many", [key for key, _ in items])
+        return super().put_many(items, replace)
+
+    def put_from(self, items, lease):
+        self._note("put_from", [key for key, _ in items])
+        return super().put_from(items, lease)
+
+
 class CountingStore(ScriptedStore):
     """Counts its existence queries (the round trips a lookup made)."""
 
