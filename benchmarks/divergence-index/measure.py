@@ -377,7 +377,7 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
 def configuration(command: list[str]) -> dict[str, Any]:
     return {
         "command": " ".join(command),
-        "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "date_utc": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "mooncake_package": f"{MOONCAKE_PACKAGE}=={importlib.metadata.version(MOONCAKE_PACKAGE)}",
         "machine": {"cpu_cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
         "master_flags": master_argv("<free port>", "<free port>")[1:],  # kvtool.store.master.LocalMaster

@@ -301,6 +301,6 @@ def provenance(repo: Path = REPO_ROOT) -> dict[str, Any]:
         head += "+"
     return {
         "head": head,
-        "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "started_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
     }
