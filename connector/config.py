@@ -3,18 +3,29 @@
 A store backend's settings live in its own section (``mooncake``: ``MooncakeSettings``); the same
 fields at the top level, as every config before the section wrote them, are still accepted and moved
 there. Mooncake settings come from the extra config, or from a Mooncake JSON file named by
-``mooncake_config_path`` (or the ``MOONCAKE_CONFIG_PATH`` environment variable); fields given in the
-extra config win over the file.
+``mooncake_config_path``; fields given in the extra config win over the file. The ``MOONCAKE_CONFIG_PATH``
+environment variable is read only where the extra config leaves the store's settings to it (neither
+``mooncake_config_path`` nor a master address): a stale one never stops an engine whose config is whole.
+
+Every setting is checked where it is read, with exact types (``true`` is no number, ``"2"`` no
+timeout): a bad one is one sentence naming the field, its value and what it accepts (``bad_value``).
+What only the engine knows is checked where the connector learns it: the block size
+(``check_block_size``) and an object's size (the worker's staging areas).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
+from annotated_types import Ge, Gt, MinLen
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.fields import FieldInfo
+from pydantic_core import ErrorDetails
 
 _MOONCAKE_FIELDS = (
     "local_hostname",
@@ -28,8 +39,26 @@ _MOONCAKE_FIELDS = (
 )
 
 
+logger = logging.getLogger("vllm.kvtool")
+
+
 class ConfigError(ValueError):
-    """A bad connector configuration; the message names the field and what it accepts."""
+    """A bad connector configuration; the message names the field, its value and what it accepts."""
+
+    @classmethod
+    def of(cls, *problems: str) -> ConfigError:
+        return cls("kvtool connector config: " + "; ".join(problems))
+
+
+def bad_value(field: str, value: Any, accepts: str, *, kind: str = "field") -> str:
+    """One bad setting as every check says it, the value as the config's JSON writes it: ``field
+    'hash_unit' is true; it should be a whole number above 0``."""
+    try:
+        shown = json.dumps(value)
+    except (TypeError, ValueError):
+        shown = repr(value)
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    return f"{kind} {field!r} is {shown}; {accepts}"
 
 
 EXTEND_MIN_TOKENS = 16  # extend_min_tokens' default
@@ -68,9 +97,11 @@ def parse_size(value: Any) -> int:
         number = text.rstrip("kmgt")
         unit = (text[len(number) :] + "b") if text[len(number) :] else ""
         try:
-            return int(float(number) * _SIZE_UNITS[unit])
+            size = float(number) * _SIZE_UNITS[unit]
         except (KeyError, ValueError):
-            pass
+            size = -1.0
+        if 0 <= size < float("inf"):  # neither negative, nor nan, nor inf ("infGB")
+            return int(size)
     raise ValueError(f"{value!r} is not a size; give bytes or a size such as 4GB, 512MB")
 
 
@@ -78,11 +109,11 @@ class MooncakeSettings(BaseModel):
     """The Mooncake store client's settings: the ``mooncake`` section of the connector config (the same
     fields at the top level are still accepted and moved here)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
-    master_server_address: str = Field(min_length=3, description="host:port of the mooncake_master RPC")
-    metadata_server: str = "P2PHANDSHAKE"
-    local_hostname: str = "127.0.0.1"
+    master_server_address: str = Field(description="host:port of the mooncake_master RPC")
+    metadata_server: str = Field(default="P2PHANDSHAKE", min_length=1)
+    local_hostname: str = Field(default="127.0.0.1", min_length=1)
     protocol: Literal["tcp", "rdma"] = "tcp"
     device_name: str = ""
     global_segment_size: int = Field(default=256 << 20, ge=0, description="bytes this engine lends the store")
@@ -97,20 +128,27 @@ class MooncakeSettings(BaseModel):
     @classmethod
     def _host_port(cls, value: str) -> str:
         """host:port of one master, or etcd://host:port[;host:port...] of a high-availability group."""
-        master_endpoints(value)
+        try:
+            master_endpoints(value)
+        except ValueError as exc:
+            raise ValueError(f"it {exc}") from None
         return value
 
     @field_validator("global_segment_size", "local_buffer_size", mode="before")
     @classmethod
     def _size(cls, value: Any) -> int:
-        return parse_size(value)
+        try:
+            return parse_size(value)
+        except ValueError:
+            raise ValueError("it should be a number of bytes or a size such as 4GB or 512MB") from None
 
 
 MOONCAKE_FIELDS: tuple[str, ...] = tuple(MooncakeSettings.model_fields)
 
 
 class KVToolConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Exact types (a bool is no number, "2" no timeout; an int is a float), finite numbers.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
     # The store: its backend (connector/store.py BACKENDS) and that backend's own section.
     store_backend: Literal["mooncake"] = "mooncake"
@@ -125,12 +163,18 @@ class KVToolConfig(BaseModel):
             return data
         data = dict(data)
         section = data.get("mooncake", {})
-        section = dict(section.model_dump() if isinstance(section, MooncakeSettings) else section or {})
+        if not isinstance(section, dict | MooncakeSettings):
+            raise ValueError(bad_value("mooncake", section, f"it should be an object of {', '.join(MOONCAKE_FIELDS)}"))
+        section = dict(section.model_dump() if isinstance(section, MooncakeSettings) else section)
         for name in _MOONCAKE_FIELDS:
             if name in data:
                 value = data.pop(name)
                 if name in section and section[name] != value:
-                    raise ValueError(f"{name} is given at the top level and in the mooncake section, differently")
+                    raise ValueError(
+                        bad_value(
+                            name, value, f"the mooncake section gives it as {json.dumps(section[name])}; give it once"
+                        )
+                    )
                 section[name] = value
         data["mooncake"] = section
         return data
@@ -160,7 +204,9 @@ class KVToolConfig(BaseModel):
         description="take a hit only when its load is predicted to cost less than the prefill it saves (fitted "
         "from the engine's own load and forward-pass times); a partial block that does not pay is dropped",
     )
-    model_id: str | None = Field(default=None, description="model identity in the namespace; default: served model")
+    model_id: str | None = Field(
+        default=None, min_length=1, description="model identity in the namespace; default: served model"
+    )
     weights_digest: str = Field(default="", description="optional weights digest folded into the namespace")
 
     # A decoding engine (kv_consumer or kv_both) also saves, at request end, the KV of prompt + answer:
@@ -177,10 +223,12 @@ class KVToolConfig(BaseModel):
     )
 
     # Observability: one JSON line per finished request with its hit details (for kvtool bench).
-    request_log: str | None = Field(default=None, description="path of a JSONL file of per-request hit details")
+    request_log: str | None = Field(
+        default=None, min_length=1, description="path of a JSONL file of per-request hit details"
+    )
 
     # Testing only: a JSON fault plan (connector/faults.py) re-read while the engine runs.
-    fault_control_file: str | None = None
+    fault_control_file: str | None = Field(default=None, min_length=1)
 
     # Fail-closed time-outs.
     lookup_timeout_s: float = Field(default=2.0, gt=0)
@@ -192,6 +240,11 @@ class KVToolConfig(BaseModel):
     breaker_failures: int = Field(default=3, gt=0, description="failed store calls in a row that open the breaker")
     breaker_backoff_s: float = Field(default=1.0, gt=0, description="first back-off of an open breaker, doubling")
     breaker_max_backoff_s: float = Field(default=10.0, gt=0)
+    # A slow store costs hits, never time: a lookup's store call answered later than this counts toward
+    # the breaker like a failure (a healthy loopback lookup takes 0.1-2 ms), so a slow store is bypassed.
+    slow_call_ms: float = Field(
+        default=50.0, gt=0, description="a scheduler-side store call slower than this counts as failed"
+    )
     save_buffer_bytes: int = Field(
         default=256 << 20,
         gt=0,
@@ -206,12 +259,39 @@ class KVToolConfig(BaseModel):
     )
     shutdown_drain_s: float = Field(default=10.0, ge=0, description="how long shutdown lets queued saves finish")
 
-    @field_validator("divergence_grid")
+    @field_validator("divergence_grid", mode="before")
     @classmethod
-    def _grid(cls, value: int | str) -> int | str:
-        if isinstance(value, int) and value < 0:
-            raise ValueError("must be 0 (no pointers), a positive number of tokens, or auto")
-        return value
+    def _grid(cls, value: Any) -> int | str:
+        if value == "auto" or (type(value) is int and value >= 0):
+            return value
+        raise ValueError("it should be 0 (no pointers), a whole number of tokens up to the block size, or 'auto'")
+
+    @model_validator(mode="after")
+    def _backoffs_in_order(self) -> KVToolConfig:
+        if self.breaker_backoff_s > self.breaker_max_backoff_s:
+            raise ValueError(
+                bad_value(
+                    "breaker_backoff_s",
+                    self.breaker_backoff_s,
+                    f"the first back-off should be at most breaker_max_backoff_s ({self.breaker_max_backoff_s})",
+                )
+            )
+        return self
+
+
+def check_block_size(config: KVToolConfig, block_size: int) -> None:
+    """The token grids inside a block against the engine's block size, which the connector learns at
+    its start (``layout.engine_layout``): a grid as wide as the block has no point inside it (no tails,
+    no pointers); a wider one is a mistake."""
+    problems = []
+    if config.hash_unit > block_size:
+        rule = f"it should be at most the engine's block size, {block_size} (tail boundaries lie inside a block)"
+        problems.append(bad_value("hash_unit", config.hash_unit, rule))
+    if config.divergence_grid != "auto" and config.divergence_grid > block_size:
+        rule = f"it should be 0 (no pointers), 'auto', or at most the engine's block size, {block_size}"
+        problems.append(bad_value("divergence_grid", config.divergence_grid, rule))
+    if problems:
+        raise ConfigError.of(*problems)
 
 
 def lead_pointers(config: KVToolConfig, block_size: int) -> bool:
@@ -239,37 +319,111 @@ def divergence_grid(config: KVToolConfig, block_size: int) -> int:
 AUTO_POINTERS_GRID_DIVISOR = 4
 
 
+MOONCAKE_CONFIG_ENV = "MOONCAKE_CONFIG_PATH"
+
+
 def load_config(extra_config: dict[str, Any] | None) -> KVToolConfig:
     """Build the validated config; raise ConfigError with one sentence per bad field."""
+    if not isinstance(extra_config, dict | None):
+        accepts = "it should be an object of the kvtool connector's fields"
+        raise ConfigError.of(bad_value("kv_connector_extra_config", extra_config, accepts))
     raw = dict(extra_config or {})
-    file_path = raw.pop("mooncake_config_path", None) or os.environ.get("MOONCAKE_CONFIG_PATH")
-    merged: dict[str, Any] = dict(raw)
-    if file_path:  # the file's fields, under what the extra config gives (flat or in its section)
-        given = {**(raw.get("mooncake") or {}), **{name: raw[name] for name in _MOONCAKE_FIELDS if name in raw}}
-        from_file = {k: v for k, v in _read_mooncake_file(Path(file_path)).items() if k not in given}
-        if from_file:
-            merged["mooncake"] = {**from_file, **(raw.get("mooncake") or {})}
+    from_file, source = _store_settings_file(raw)
+    section = raw.get("mooncake", {})
+    if from_file and isinstance(section, dict):  # the file's fields, under what the extra config gives
+        given = {**section, **{name: raw[name] for name in _MOONCAKE_FIELDS if name in raw}}
+        raw["mooncake"] = {**{k: v for k, v in from_file.items() if k not in given}, **section}
     try:
-        return KVToolConfig(**merged)
+        config = KVToolConfig.model_validate(raw)
     except ValidationError as exc:
-        problems = []
-        for error in exc.errors():
-            field = ".".join(str(part) for part in error["loc"]) or "(config)"
-            if error["type"] == "extra_forbidden":
-                accepted = ", ".join(
-                    sorted({*KVToolConfig.model_fields, *MooncakeSettings.model_fields} - {"mooncake"})
-                )
-                problems.append(f"unknown field {field!r} (accepted: {accepted})")
-            else:
-                problems.append(f"field {field!r}: {error['msg']}")
-        raise ConfigError("kvtool connector config: " + "; ".join(problems)) from None
+        raise ConfigError.of(*(_problem(error) for error in exc.errors())) from None
+    logger.info("kvtool: the store's settings come from %s", source)
+    return config
 
 
-def _read_mooncake_file(path: Path) -> dict[str, Any]:
+def _store_settings_file(raw: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """The Mooncake fields of the file to read (popping ``mooncake_config_path`` from ``raw``), and
+    where the store's settings come from, said in the log. ``MOONCAKE_CONFIG_PATH`` is read only where
+    the extra config names no file and no master: then it leaves the store's settings to it."""
+    path = raw.pop("mooncake_config_path", None)
+    if path is not None:
+        if not isinstance(path, str) or not path:
+            accepts = "it should be the path of a Mooncake JSON file"
+            raise ConfigError.of(bad_value("mooncake_config_path", path, accepts))
+        source = f"the extra config, over the file {path} (mooncake_config_path)"
+        return _read_mooncake_file(path, "mooncake_config_path", "field"), source
+    section = raw.get("mooncake") or {}
+    names_master = "master_server_address" in raw or not isinstance(section, dict) or "master_server_address" in section
+    path = os.environ.get(MOONCAKE_CONFIG_ENV)
+    if names_master or not path:
+        return {}, "the extra config" + (f" ({MOONCAKE_CONFIG_ENV} {path} is not read)" if path else "")
+    source = f"the file {path} ({MOONCAKE_CONFIG_ENV}; fields in the extra config win)"
+    return _read_mooncake_file(path, MOONCAKE_CONFIG_ENV, "environment variable"), source
+
+
+def _read_mooncake_file(path: str, name: str, kind: str) -> dict[str, Any]:
+    """The Mooncake fields of the JSON file ``path``, which the ``kind`` ``name`` gives."""
     try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"cannot read Mooncake config file {path}: {exc}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"Mooncake config file {path} must hold a JSON object")
-    return {name: data[name] for name in _MOONCAKE_FIELDS if name in data}
+        data = json.loads(Path(path).read_text())
+    except OSError as exc:
+        why = f"it should name a readable Mooncake JSON file ({exc.strerror or exc})"
+        raise ConfigError.of(bad_value(name, path, why, kind=kind)) from None
+    except ValueError as exc:
+        why = f"it should name a Mooncake JSON file (the file is not JSON: {exc})"
+        raise ConfigError.of(bad_value(name, path, why, kind=kind)) from None
+    fields = {field: data[field] for field in _MOONCAKE_FIELDS if field in data} if isinstance(data, dict) else {}
+    if not fields:
+        held = "no Mooncake field" if isinstance(data, dict) else f"a JSON {type(data).__name__}"
+        why = f"it should name a JSON object of {', '.join(_MOONCAKE_FIELDS)} (the file holds {held})"
+        raise ConfigError.of(bad_value(name, path, why, kind=kind))
+    return fields
+
+
+_FIELDS = {**KVToolConfig.model_fields, **MooncakeSettings.model_fields}  # by name, the section's too
+_ACCEPTED = ", ".join(sorted({*_FIELDS, "mooncake_config_path"} - {"mooncake"}))
+
+
+def _problem(error: ErrorDetails) -> str:
+    """One of pydantic's errors as one sentence: the field, its value and what it accepts."""
+    field = ".".join(str(part) for part in error["loc"])
+    cause = error.get("ctx", {}).get("error")
+    if not field:  # a check of the whole config, which says its sentence itself
+        return str(cause or error["msg"])
+    if error["type"] == "extra_forbidden":
+        return f"unknown field {field!r} (accepted: {_ACCEPTED})"
+    info = _FIELDS.get(str(error["loc"][-1]))
+    if error["type"] == "missing":
+        return f"field {field!r} is missing; give it" + (f": {info.description}" if info and info.description else "")
+    if cause is not None:  # a validator of the config's, which says what the field accepts
+        return bad_value(field, error["input"], str(cause))
+    accepts = (_accepts(str(error["loc"][-1]), info) if info else None) or _pydantic_words(error["msg"])
+    return bad_value(field, error["input"], accepts)
+
+
+def _pydantic_words(message: str) -> str:
+    """``Input should be 'tcp' or 'rdma'`` as the rest of the sentence: ``it should be 'tcp' or 'rdma'``."""
+    return re.sub(r"^(Input|String|Value) should", "it should", message)
+
+
+_KINDS: dict[Any, str] = {int: "a whole number", float: "a finite number", bool: "true or false", str: "a string"}
+_UNITS = {"_s": " of seconds", "_bytes": " of bytes", "_size": " of bytes", "_tokens": " of tokens"}
+
+
+def _accepts(name: str, info: FieldInfo) -> str | None:
+    """What a plain field accepts, said from its type and bounds (``it should be a finite number of
+    seconds above 0``); None for the others, which pydantic's words say (a Literal's choices)."""
+    optional = type(None) in get_args(info.annotation)
+    kind = next(a for a in get_args(info.annotation) if a is not type(None)) if optional else info.annotation
+    if kind not in _KINDS:
+        return None
+    what = _KINDS[kind]
+    if kind in (int, float):
+        what += next((unit for suffix, unit in _UNITS.items() if name.endswith(suffix)), "")
+    for bound in info.metadata:
+        if isinstance(bound, Gt):
+            what += f" above {bound.gt}"
+        elif isinstance(bound, Ge):
+            what += f", {bound.ge} or more"
+        elif isinstance(bound, MinLen):
+            what = what.replace("a string", "a non-empty string")
+    return f"it should be {what}" + (", or null" if optional else "")

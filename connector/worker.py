@@ -27,7 +27,7 @@ from .breaker import CircuitBreaker
 from .calls import BoundedCalls
 from .counters import Counters, WarnOnce
 from .devicecopy import CopyStream, DeviceOps, Fence, block_major, device_ops_for
-from .config import KVToolConfig
+from .config import ConfigError, KVToolConfig, bad_value
 from .data import BlockTransfer, KVToolMetadata, KVToolWorkerMeta, RequestSave, StoredObject
 from .keys import KeyKind, Namespace, object_key, watermark_key
 from .loader import LOAD_THREADS, MAX_SAMPLES, Loader
@@ -162,9 +162,12 @@ class WorkerSide:
             self._saver = Saver(self._store, area=area, drain_timeout_s=self._config.shutdown_drain_s)
 
     def _staging_area(self, name: str, slot_bytes: int, budget_bytes: int) -> StagingArea:
-        """A staging area of the budget's size (at least one object), registered with the store. A store
-        that refuses the registration still gets transfers from it (over TCP they work unregistered)."""
-        area = StagingArea(name, slot_bytes, max(1, budget_bytes // slot_bytes))
+        """A staging area of the budget's size, registered with the store. A store that refuses the
+        registration still gets transfers from it (over TCP they work unregistered)."""
+        if budget_bytes < slot_bytes:  # the first place that knows an object's size
+            accepts = f"it should hold at least one object of this model: {slot_bytes} bytes (a block and its header)"
+            raise ConfigError.of(bad_value(f"{name}_buffer_bytes", budget_bytes, accepts))
+        area = StagingArea(name, slot_bytes, budget_bytes // slot_bytes)
         # Touched now, not slot by slot on the engine's step: a save's copy into a cold page costs four
         # times a warm one (page faults), which showed as 40 ms more per producer request at block 32.
         area.memory.fill_(0)
