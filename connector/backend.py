@@ -15,6 +15,9 @@ if TYPE_CHECKING:
 class PutOutcome(str, Enum):
     STORED = "stored"
     NO_SPACE = "no_space"
+    # Refused for space by a store that holds nothing it held before: a restarted master whose segments
+    # are not mounted yet (``refusals``). Backends answer NO_SPACE; the saver tells the two apart.
+    NOT_READY = "not_ready"
     FAILED = "failed"
 
 

@@ -26,6 +26,7 @@ from .keys import KeyKind
 from .counters import Counters, WarnOnce
 from .devicecopy import Fence
 from .objects import ObjectHeader, seal_object
+from .refusals import Refusals
 from .staging import Lease, Region, StagingArea
 from .store import KVStore, PutOutcome
 from .watermarks import SEQ_FINAL, SEQ_PENDING, ObjectProgress, WatermarkRecord, watermark
@@ -134,6 +135,7 @@ class Saver:
         self._retry_failed_at: float | None = None  # a final record's second try failed then (``_store_down``)
         self.stats = Counters()
         self._warn_once = WarnOnce(logger)
+        self._refusals = Refusals(store.exists)  # full, or not ready: what a refusal for space means
         self._thread = threading.Thread(target=self._loop, name="kvtool-put", daemon=True)
         self._thread.start()
 
@@ -223,9 +225,18 @@ class Saver:
             self.stats.add("puts_retried_no_space", len(refused))
             for index, outcome in zip(refused, self._put_from([copies[i] for i in refused], lease), strict=True):
                 outcomes[index] = outcome
-        if PutOutcome.NO_SPACE in outcomes:
-            self._warn_once("no-space", "kvtool: the store is full; puts are dropped until it evicts")
-        return outcomes
+        return self._judged([c.key for c in copies], outcomes)
+
+    def _judged(self, keys: list[str], outcomes: list[PutOutcome]) -> list[PutOutcome]:
+        """The outcomes, with refusals for space told apart (full, or not ready: ``refusals``)."""
+        for key, outcome in zip(keys, outcomes, strict=True):
+            if outcome is PutOutcome.STORED:
+                self._refusals.stored(key)
+        refused = outcomes.count(PutOutcome.NO_SPACE)
+        if not refused:
+            return outcomes
+        kind = self._refusals.judge(refused)
+        return [kind if outcome is PutOutcome.NO_SPACE else outcome for outcome in outcomes]
 
     def _put_from(self, copies: list[ObjectCopy], lease: Lease) -> list[PutOutcome]:
         try:
@@ -244,6 +255,8 @@ class Saver:
         except StoreError as exc:
             self._warn_once("put", f"kvtool: put failed, that prefix stays a miss: {exc}")
             outcome = PutOutcome.FAILED
+        if outcome is PutOutcome.NO_SPACE:
+            outcome = self._refusals.judge(len(pointers))
         self.stats.add(f"pointers_{outcome.value}", len(pointers))
 
     def _present(self, keys: list[str]) -> list[bool] | None:
@@ -289,9 +302,7 @@ class Saver:
         except StoreError as exc:
             self._warn_once("put", f"kvtool: put failed, that prefix stays a miss: {exc}")
             return PutOutcome.FAILED
-        if outcome is PutOutcome.NO_SPACE:
-            self._warn_once("no-space", "kvtool: the store is full; puts are dropped until it evicts")
-        return outcome
+        return self._judged([key], [outcome])[0]
 
     def _stopping(self) -> bool:
         return self._stop_by is not None and time.monotonic() > self._stop_by
