@@ -44,6 +44,34 @@ def _first_block_probes(prompts: Sequence[PromptKeys]) -> list[bool]:
     return chosen
 
 
+def first_block_sentinels(keys: PromptKeys) -> list[int] | None:
+    """The few ends inside the prompt's first block whose keys tell whether anything stored there
+    shares a prefix with it: its tail boundaries up to the block's first pointer, and that pointer.
+    Every stored tail or block longer than that pointer's end has the pointer (a save puts one at each
+    grid point strictly inside an object, and at its first token with lead pointers), keyed by the
+    prefix it shares; so where none of these keys and no first block is stored, the prompt is a miss
+    in one query, however many candidate ends its first block has (255 at block 256). None where no
+    pointer stands inside the first block (no grid, a grid as wide as the block, only state groups):
+    then only every candidate answers. A pointer lost (a failed put, evicted before its object) costs
+    a hit, never a wrong one: what a lookup finds is still checked end to end."""
+    if not keys.grid or all(group.kind is GroupKind.STATE for group in keys.groups):
+        return None
+    pointers = keys.pointer_ends(0, keys.block_size - 1)
+    if not pointers:
+        return None
+    first_pointer = pointers[0]
+    return [end for end in keys.inner_candidates(0) if end <= first_pointer]
+
+
+def _nothing_in_first_block(keys: PromptKeys, found: frozenset[str]) -> bool:
+    """Whether the first query's answer shows nothing stored sharing the prompt's first block
+    (``first_block_sentinels``), so that no second query is needed for it."""
+    sentinels = first_block_sentinels(keys)
+    if sentinels is None:
+        return False
+    return not any(ref.key in found for ref in keys.probe_refs(sentinels, blocks=False))
+
+
 @dataclass(frozen=True)
 class StoredPrefix:
     """The longest prefix of a prompt whose KV is in the store, for every group."""
@@ -93,13 +121,16 @@ def _ask(exists: ExistsFn, refs_per_prompt: list[list[ObjectRef]]) -> list[froze
 def _first_round_ends(keys: PromptKeys, first_block: bool) -> list[int]:
     """Candidate ends asked about first: every block boundary, the tail boundaries of the prompt's
     last block, and with ``first_block`` those of its first block (``_first_block_probes``). With the
-    first block's, a miss (the commonest lookup) and a prompt extending a stored sub-block one are
-    answered by this query alone; where a block has many (255 at block 256 and hash unit 1), hashing
-    and asking them for every prompt, block 0 stored or not, costs more than the round trip saved."""
+    first block's, a prompt extending a stored sub-block one is answered by this query alone; where a
+    block has many (255 at block 256 and hash unit 1), hashing and asking them for every prompt, block
+    0 stored or not, costs more than the round trip saved: its few sentinels are asked instead
+    (``first_block_sentinels``), which answer a miss (the commonest lookup) in this query alone."""
     ends = {(i + 1) * keys.block_size for i in range(keys.num_full_blocks)}
     ends.update(keys.inner_candidates(len(keys.tokens) // keys.block_size))
     if first_block:
         ends.update(keys.inner_candidates(0))
+    else:
+        ends.update(first_block_sentinels(keys) or ())  # a handful: a miss ends with this query
     return sorted(ends)
 
 
@@ -155,7 +186,7 @@ def find_stored_prefixes(
     for keys, ends, found, first in zip(prompts, first_ends, present, probed, strict=True):
         length = len(keys.tokens)
         block = _chain_blocks(keys, ends, found)
-        asked = block == length // keys.block_size or (block == 0 and first)
+        asked = block == length // keys.block_size or (block == 0 and (first or _nothing_in_first_block(keys, found)))
         inner = [] if asked else keys.inner_candidates(block)
         if block and not first and not _all_full(keys) and _plain_hit(keys, ends, found) < keys.block_size:
             # Alone, its first query would have asked the first block's ends: where another group (a
