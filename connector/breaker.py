@@ -4,6 +4,12 @@
 breaker is open every call fails at once with ``StoreError`` (a miss, no time spent), and each
 outcome of a call that did run is recorded. After the back-off one call is let through (half-open):
 success closes the breaker, failure opens it again with a doubled back-off.
+
+A call that answers, but slower than ``slow_call_s``, counts as a failure too (a store that answers
+slowly taxes every request by its latency, while each call succeeds): the store is bypassed until a
+trial call answers quickly again. A lookup the scheduler gave up waiting for is reported the same way
+(``report_slow``). Every opening is logged with its cause and counted (``breaker_opened``, and
+``store_bypassed_slow`` when slowness opened it).
 """
 
 from __future__ import annotations
@@ -45,6 +51,8 @@ class CircuitBreaker:
         self._trial = False  # a call is out after the back-off; others still skip
         self._lock = threading.Lock()
         self.opened = 0  # times it opened (a metric)
+        # When slowness (not errors) opened it (``report_slow``), until a call closes it: for the log.
+        self.bypassed_at: float | None = None
 
     @property
     def is_open(self) -> bool:
@@ -69,6 +77,7 @@ class CircuitBreaker:
             self._open_until = None
             self._trial = False
             self._backoff = self._policy.backoff_s
+            self.bypassed_at = None
             return was_open
 
     def record_failure(self, *, hung: bool = False) -> bool:
@@ -97,13 +106,43 @@ class CircuitBreaker:
             return max(0.0, self._open_until - self._clock()) if self._open_until is not None else 0.0
 
 
-class GuardedStore:
-    """A ``KVStore`` whose calls go through a circuit breaker; counts what it skipped and why."""
+def report_slow(breaker: CircuitBreaker, stats: Counters, name: str, what: str, cause: str) -> None:
+    """A store that answered (or would answer) slower than a caller could wait: a failure for the
+    breaker, counted, and logged when it bypasses the store."""
+    stats.add(f"store_slow_{what}")
+    if breaker.record_failure():
+        if breaker.bypassed_at is None:
+            breaker.bypassed_at = time.monotonic()
+        stats.add("breaker_opened")
+        stats.add("store_bypassed_slow")
+        logger.warning(
+            "kvtool: %s: the store is slow (%s); bypassing it (lookups are misses, nothing waits) for %.1f s, "
+            "then trying one call",
+            name,
+            cause,
+            breaker.seconds_left(),
+        )
 
-    def __init__(self, store: KVStore, breaker: CircuitBreaker, name: str):
+
+class GuardedStore:
+    """A ``KVStore`` whose calls go through a circuit breaker; counts what it skipped and why.
+
+    ``slow_call_s``: a call that answers later than this counts as a failure (None: only errors do).
+    Thread-safety: any thread may call; the breaker and the counters hold their own locks."""
+
+    def __init__(
+        self,
+        store: KVStore,
+        breaker: CircuitBreaker,
+        name: str,
+        slow_call_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self._store = store
         self.breaker = breaker
         self._name = name
+        self._slow_call_s = slow_call_s
+        self._clock = clock
         self.stats = Counters()
 
     def take_stats(self) -> dict[str, int]:
@@ -112,22 +151,12 @@ class GuardedStore:
     def _run(self, what: str, fn):
         if not self.breaker.allow():
             self.stats.add(f"breaker_skipped_{what}")
-            raise StoreError(f"the store is failing; {what} skipped for {self.breaker.seconds_left():.1f} s more")
+            raise StoreError(f"the store is bypassed; {what} skipped for {self.breaker.seconds_left():.1f} s more")
+        started = self._clock()
         try:
             result = fn()
         except StoreError as exc:
-            self.stats.add(f"store_errors_{what}")
-            if self.breaker.record_failure(hung=isinstance(exc, StoreTimeout | StoreBusy)):
-                self.stats.add("breaker_opened")
-                # Not yet connected: said once at start and once when it connects, not at every back-off.
-                log = logger.debug if isinstance(exc, StoreNotConnected) else logger.warning
-                log(
-                    "kvtool: %s: the store failed %s (%s); skipping store calls for %.1f s",
-                    self._name,
-                    what,
-                    exc,
-                    self.breaker.seconds_left(),
-                )
+            self._failed(what, exc)
             raise
         except Exception:
             # Not the store's answer (a bug on the way to it): still a failed call, so that a trial call
@@ -135,9 +164,39 @@ class GuardedStore:
             self.stats.add(f"store_errors_{what}")
             self.breaker.record_failure()
             raise
+        took = self._clock() - started
+        if self._slow_call_s is not None and took > self._slow_call_s:
+            cause = f"{what} answered in {took * 1e3:.0f} ms, over slow_call_ms {self._slow_call_s * 1e3:.0f}"
+            report_slow(self.breaker, self.stats, self._name, what, cause)
+            return result  # its answer is good: the caller uses it
+        bypassed_at = self.breaker.bypassed_at
         if self.breaker.record_success():
-            logger.warning("kvtool: %s: the store answers again; store calls resume", self._name)
+            if bypassed_at is not None:
+                bypassed_s = time.monotonic() - bypassed_at
+                answer = f"{what} in {took * 1e3:.1f} ms"
+                logger.warning(
+                    "kvtool: %s: the store answers quickly again (%s) after %.1f s bypassed; store calls resume",
+                    self._name,
+                    answer,
+                    bypassed_s,
+                )
+            else:
+                logger.warning("kvtool: %s: the store answers again; store calls resume", self._name)
         return result
+
+    def _failed(self, what: str, exc: StoreError) -> None:
+        self.stats.add(f"store_errors_{what}")
+        if self.breaker.record_failure(hung=isinstance(exc, StoreTimeout | StoreBusy)):
+            self.stats.add("breaker_opened")
+            # Not yet connected: said once at start and once when it connects, not at every back-off.
+            log = logger.debug if isinstance(exc, StoreNotConnected) else logger.warning
+            log(
+                "kvtool: %s: the store failed %s (%s); skipping store calls for %.1f s",
+                self._name,
+                what,
+                exc,
+                self.breaker.seconds_left(),
+            )
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         return self._run("exists", lambda: self._store.exists(keys))

@@ -25,7 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from .breaker import BreakerPolicy, CircuitBreaker, GuardedStore
 from .instrumented import InstrumentedStore
-from .config import KVToolConfig, load_config
+from .config import ConfigError, KVToolConfig, check_block_size, load_config
 from .data import KVToolMetadata, KVToolWorkerMeta
 from .layout import EngineLayout, UnsupportedLayout, check_attention_layout, engine_layout, state_reuse_warnings
 from .hooktime import HookClock, on_engine_thread
@@ -79,6 +79,8 @@ class KVToolConnector(KVConnectorBase_V1, SupportsHMA):
             self.layout = engine_layout(vllm_config, kv_cache_config, self.config.model_id, self.config.weights_digest)
         except UnsupportedLayout as exc:
             logger.warning("kvtool: connector disabled, %s; the engine serves without it", exc)
+        if self.layout is not None:  # the block size, which the token grids must fit, is known from here
+            check_block_size(self.config, self.layout.groups[0].block_size)
         if self.layout is not None and role == KVConnectorRole.SCHEDULER:
             match_unit = getattr(vllm_config.cache_config, "prefix_match_unit", None)
             for warning in state_reuse_warnings(self.layout.groups, self.config.hash_unit, match_unit, saves_enabled):
@@ -138,8 +140,11 @@ class KVToolConnector(KVConnectorBase_V1, SupportsHMA):
             )
             shared = LateStore(opener, probe, what=f"the Mooncake store at {address}")
         side = "worker" if worker else "scheduler"
+        # A lookup answered slowly costs every request its latency: the scheduler side's calls count as
+        # failed past slow_call_ms (the worker's loads and puts are sized by their objects, not judged so).
+        slow_s = None if worker else self.config.slow_call_ms / 1000
         # Counted outside the breaker: a call's time is what its caller waited, skips included.
-        return InstrumentedStore(GuardedStore(shared, self._breaker, side))
+        return InstrumentedStore(GuardedStore(shared, self._breaker, side, slow_call_s=slow_s))
 
     # ---- scheduler side ---------------------------------------------------------------------------
 
@@ -193,6 +198,8 @@ class KVToolConnector(KVConnectorBase_V1, SupportsHMA):
                 self._kv_cache_config.num_blocks,
                 self.layout.attention,
             )
+        except ConfigError:
+            raise  # a bad setting (a staging area smaller than one object) stops the engine
         except (ValueError, UnsupportedLayout) as exc:
             # Loads planned by the scheduler side then fail (recompute); nothing is saved.
             logger.warning("kvtool: connector disabled, %s", exc)

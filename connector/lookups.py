@@ -43,14 +43,21 @@ def pointer_reader(store: KVStore, timeout_s: float, block_size: int) -> Callabl
 class _Pending:
     keys: PromptKeys
     asked_at: float
+    wait_s: float  # how long its request may wait for it: the time-out, or less (``want``)
     job: concurrent.futures.Future | None = None
+    sent_at: float = 0.0  # when its job was sent
     outcome: Outcome | None = None
+
+
+class LookupAbandoned(StoreError):
+    """A lookup not answered within what its best hit could save: a miss, and a slow store's sign."""
 
 
 @dataclass
 class _Job:
     future: concurrent.futures.Future
     req_ids: list[str] = field(default_factory=list)
+    sent_at: float = 0.0
 
 
 class LookupBatcher:
@@ -64,8 +71,10 @@ class LookupBatcher:
         read: ReadFn | None = None,
         extend_min_tokens: int = 1,
         find: FindFn = find_stored_prefixes,
+        on_late: Callable[[str], None] | None = None,
     ):
         self._find = find  # a consumer's longest stored prefixes; a producer's stored objects
+        self._on_late = on_late  # told of each lookup given up on (why): the breaker counts a slow store
         self._exists = exists
         self._read = read
         self._extend_min_tokens = extend_min_tokens
@@ -76,11 +85,14 @@ class LookupBatcher:
         self._job: _Job | None = None
         self.batches = 0  # jobs sent (a metric)
         self.timeouts = 0
+        self.abandoned = 0
 
-    def want(self, req_id: str, keys: PromptKeys) -> None:
-        """Ask for ``req_id``'s stored prefix (no-op while one is asked for or answered)."""
+    def want(self, req_id: str, keys: PromptKeys, wait_s: float | None = None) -> None:
+        """Ask for ``req_id``'s stored prefix (no-op while one is asked for or answered); its request
+        waits for it at most ``wait_s`` (what its best hit could save), never past the time-out."""
         if req_id not in self._requests:
-            self._requests[req_id] = _Pending(keys, self._clock())
+            limit = self._timeout_s if wait_s is None else max(0.0, min(wait_s, self._timeout_s))
+            self._requests[req_id] = _Pending(keys, self._clock(), limit)
 
     def poll(self, req_id: str) -> Outcome | None:
         """The lookup's outcome, or None while it is in flight (or not yet sent)."""
@@ -88,10 +100,29 @@ class LookupBatcher:
         if pending is None:
             return None
         self._collect()
-        if pending.outcome is None and self._clock() - pending.asked_at > self._timeout_s:
+        if pending.outcome is not None:
+            return pending.outcome
+        now = self._clock()
+        if now - pending.asked_at > self._timeout_s:
             self.timeouts += 1
             pending.outcome = StoreError(f"lookup timed out after {self._timeout_s:.3g} s")
+        elif (waited := self._store_wait(pending, now)) > pending.wait_s:
+            self.abandoned += 1
+            pending.outcome = LookupAbandoned(
+                f"the store took over {waited * 1e3:.0f} ms, more than the request's best hit could save "
+                f"({pending.wait_s * 1e3:.0f} ms)"
+            )
+        if pending.outcome is not None and self._on_late is not None:
+            self._on_late(str(pending.outcome))
         return pending.outcome
+
+    def _store_wait(self, pending: _Pending, now: float) -> float:
+        """How long ``pending`` has waited on the store: since its job was sent, or, not sent yet, since
+        the job still out (which holds it back) was; never the time before it was asked, nor a step
+        that kept the engine from sending it (the store is not slow for that)."""
+        job = self._job if pending.job is None else None
+        sent_at = pending.sent_at if pending.job is not None else (job.sent_at if job is not None else None)
+        return 0.0 if sent_at is None else now - max(sent_at, pending.asked_at)
 
     def forget(self, req_id: str) -> None:
         self._requests.pop(req_id, None)
@@ -114,9 +145,10 @@ class LookupBatcher:
                 pending.outcome = exc
             return
         self.batches += 1
-        self._job = _Job(future, [rid for rid, _ in waiting])
+        sent_at = self._clock()
+        self._job = _Job(future, [rid for rid, _ in waiting], sent_at)
         for _, pending in waiting:
-            pending.job = future
+            pending.job, pending.sent_at = future, sent_at
         self._collect()  # a synchronous executor (tests) has answered already
 
     def settle(self, budget_s: float) -> float:
@@ -132,13 +164,14 @@ class LookupBatcher:
         return self._clock() - start
 
     def take_stats(self) -> dict[str, int]:
-        """The batches sent and the lookups timed out since the last call (counters for the metrics)."""
-        taken = {
-            name: value
-            for name, value in (("lookup_batches", self.batches), ("lookup_timeouts", self.timeouts))
-            if value
-        }
-        self.batches = self.timeouts = 0
+        """The batches sent, the lookups timed out and given up on since the last call (for the metrics)."""
+        counts = (
+            ("lookup_batches", self.batches),
+            ("lookup_timeouts", self.timeouts),
+            ("lookups_abandoned", self.abandoned),
+        )
+        taken = {name: value for name, value in counts if value}
+        self.batches = self.timeouts = self.abandoned = 0
         return taken
 
     def _collect(self) -> None:

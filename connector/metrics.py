@@ -20,6 +20,8 @@ COUNTERS: dict[str, str] = {
     "lookup_errors": "lookups that failed (store error or time-out): served as misses",
     "lookup_batches": "lookup batches sent to the store (one per scheduler step with new requests)",
     "lookup_timeouts": "lookups not answered within lookup_timeout_s: misses",
+    "lookups_abandoned": "lookups given up on: the store took longer than the request's best hit could save",
+    "lookups_bypassed": "requests not looked up because the store was bypassed (failing or slow): misses at once",
     "lookups_not_worth": "requests not looked up: no hit could pay for its load (the cost model), or none to gain",
     "pointer_reads_failed": "lookups whose pointer reads failed: served without the hits that needed them",
     "requests_unhashable": "requests whose token ids the key schema cannot encode: never looked up or saved",
@@ -38,8 +40,8 @@ COUNTERS: dict[str, str] = {
     "load_failures_<cause>": "loads that failed, by cause (store_error, missing, timeout, no_turn, checksum, "
     "namespace, hash, mismatch, truncated, version, foreign, corrupt, unloadable, no_store, no_memory): recomputed",
     # saves (worker side)
-    "saves_<outcome>": "save objects by outcome (stored, present, no_space, failed, dropped_shutdown; gone or "
-    "unchecked: found stored by the lookup, absent or not answered when the save ran)",
+    "saves_<outcome>": "save objects by outcome (stored, present, no_space, not_ready, failed, dropped_shutdown; "
+    "gone or unchecked: found stored by the lookup, absent or not answered when the save ran)",
     "saves_dropped_budget": "saves with no room in the save area at all: nothing copied",
     "save_objects_dropped_budget": "objects of saves that found the save area too full for them",
     "saves_skipped_breaker": "saves not copied because the store's breaker was open",
@@ -48,8 +50,8 @@ COUNTERS: dict[str, str] = {
     "save_objects_not_held": "objects a save planned whose blocks vLLM no longer held",
     "bytes_saved": "payload bytes stored",
     "puts_retried_no_space": "object puts tried again after the store refused them for lack of space",
-    "pointers_<outcome>": "divergence pointers put, by outcome (stored, no_space, failed)",
-    "watermarks_<outcome>": "watermark records put, by outcome (stored, no_space, failed)",
+    "pointers_<outcome>": "divergence pointers put, by outcome (stored, no_space, not_ready, failed)",
+    "watermarks_<outcome>": "watermark records put, by outcome (stored, no_space, not_ready, failed)",
     "state_checkpoints": "Mamba state objects saved at block boundaries inside a prompt",
     "answer_saves": "saves of prompt + answer at request end",
     "answer_saves_skipped_loading": "answer saves skipped: the request ended while its load still filled its blocks",
@@ -65,6 +67,8 @@ COUNTERS: dict[str, str] = {
     "store_errors_<call>": "store calls that failed or timed out, by call (exists, get, put)",
     "breaker_skipped_<call>": "store calls skipped while the breaker was open, by call (exists, get, put)",
     "breaker_opened": "times the breaker opened after failures in a row",
+    "store_slow_<call>": "store calls that answered slower than slow_call_ms, and lookups given up on (lookup)",
+    "store_bypassed_slow": "times slow answers (not errors) opened the breaker: the store was bypassed",
     # the engine's threads
     "engine_thread_us": "microseconds the connector spent on the engine's threads (every hook vLLM calls)",
     "engine_thread_calls": "connector hook calls on the engine's threads",

@@ -12,10 +12,11 @@ from .data import BlockTransfer, KVToolMetadata, RequestLoad, RequestSave, Store
 from .groups import NULL_BLOCK_ID, CacheGroup, GroupKind
 from .keys import KeyKind, Namespace
 from .answers import plan_answer_save
-from .breaker import CircuitBreaker
+from .breaker import CircuitBreaker, report_slow
 from .calls import BoundedCalls
 from .counters import Counters, WarnOnce
-from .lookups import POINTER_READ_SHARE, LookupBatcher, Outcome, pointer_reader
+from .lookups import POINTER_READ_SHARE, LookupBatcher, pointer_reader
+from .lookupwait import LookupPacing
 from .prefix import ObjectRef, plan_load, plan_save, single_group
 from .profit import HitJudge
 from .ranks import on_every_rank, rank_components
@@ -31,14 +32,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger("vllm.kvtool")
-
-# How long one scheduling step may wait for lookups, in all: a lookup answered within the step saves
-# its request a step (benchmarks/compare-peers: the steps a hit waited made kvtool's TTFT the slowest).
-SYNC_LOOKUP_BUDGET_S = 0.002
-# The same after a step that computed nothing, or after the engine sat idle: no stream is running to be
-# delayed, and the engine would only spin empty steps, each holding the GIL the lookup's thread needs.
-IDLE_LOOKUP_BUDGET_S = 0.010
-IDLE_AFTER_S = 0.050  # no step built for this long: the engine waited for requests
 
 
 class SchedulerSide:
@@ -89,15 +82,15 @@ class SchedulerSide:
                 read=pointer_reader(store, config.lookup_timeout_s * POINTER_READ_SHARE, self._block_size),
                 extend_min_tokens=config.extend_min_tokens,
                 find=find_stored_prefixes if self._loads_enabled else find_saved_objects,
+                on_late=self._lookup_late,
             )
             if store is not None
             else None
         )
         self.request_log = RequestLog(config.request_log, self.stats) if config.request_log else None
-        self._step_wait_left = SYNC_LOOKUP_BUDGET_S
         self._step = 0  # scheduler steps built so far (the request timelines count in them)
-        self._last_build_s = 0.0
         self._judge = HitJudge(block_bytes, config.skip_unprofitable_loads, token_bytes)  # do hits pay?
+        self._pacing = LookupPacing(self._judge.model, breaker, config.lookup_timeout_s)  # how long lookups wait
 
     # -- lookup -------------------------------------------------------------------------------------
 
@@ -152,9 +145,13 @@ class SchedulerSide:
         if not self._worth_a_lookup(tracked, num_computed_tokens):
             return 0, False
         outcome = self._lookups.poll(req_id)
+        if outcome is None and self._pacing.bypassed():
+            self.stats.add("lookups_bypassed")  # the store is failing or slow: a miss, no waiting
+            outcome = StoreError("the store is bypassed (failing or slow); not looked up")
         if outcome is None:
-            self._lookups.want(req_id, tracked.keys)
-            outcome = self._settle_lookup(req_id)
+            gain = len(tracked.keys.tokens) - 1 - num_computed_tokens
+            self._lookups.want(req_id, tracked.keys, self._pacing.request_wait_s(gain))
+            outcome = self._pacing.settle(self._lookups, req_id)
         if outcome is None:
             return None, False
         self._mark(tracked, "answered")
@@ -196,17 +193,10 @@ class SchedulerSide:
                 self.stats.add("lookups_not_worth")
         return tracked.lookup_worth
 
-    def _settle_lookup(self, req_id: str) -> Outcome | None:
-        """Wait for a lookup within what is left of this step's budget (``SYNC_LOOKUP_BUDGET_S``): on a
-        healthy store it answers in about a millisecond, and the request is scheduled in this step
-        instead of the next. Never while the breaker is open: a failing store costs no time."""
-        if time.monotonic() - self._last_build_s > IDLE_AFTER_S:
-            self._step_wait_left = max(self._step_wait_left, IDLE_LOOKUP_BUDGET_S)
-            self._last_build_s = time.monotonic()  # once per idle spell
-        if self._lookups is None or self._step_wait_left <= 0 or (self._breaker is not None and self._breaker.is_open):
-            return None
-        self._step_wait_left -= self._lookups.settle(self._step_wait_left)
-        return self._lookups.poll(req_id)
+    def _lookup_late(self, why: str) -> None:
+        """A lookup given up on (its bound or the time-out passed): the breaker hears of a slow store."""
+        if self._breaker is not None:
+            report_slow(self._breaker, self.stats, "scheduler", "lookup", why)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         tracked = self._track(request)
@@ -264,8 +254,7 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVToolMetadata:
         step_tokens = getattr(scheduler_output, "total_num_scheduled_tokens", 0)
-        self._step_wait_left = IDLE_LOOKUP_BUDGET_S if step_tokens == 0 else SYNC_LOOKUP_BUDGET_S  # the next step's
-        self._last_build_s = time.monotonic()
+        self._pacing.step_built(step_tokens)
         if self._lookups is not None:
             self._lookups.flush()  # this step's lookups, as one batch in the background
         for req_id in getattr(scheduler_output, "num_scheduled_tokens", None) or {}:

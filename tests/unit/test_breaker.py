@@ -12,7 +12,7 @@ from connector.breaker import BreakerPolicy, CircuitBreaker, GuardedStore
 from connector.calls import BoundedCalls, StoreBusy, StoreError, StoreTimeout
 from connector.scheduler import SchedulerSide
 
-from .scripted_store import InlineCalls, ScriptedStore
+from .scripted_store import CountingStore, InlineCalls, ScriptedStore
 from .test_scheduler import CONFIG, EMPTY_STEP, NS, PROMPT, publish, request
 
 
@@ -136,21 +136,25 @@ def test_calls_that_hang_take_every_slot_and_later_calls_fail_at_once():
         calls.shutdown()
 
 
-def test_no_step_waits_for_a_lookup_while_the_breaker_is_open():
-    """A failing store costs the engine no time: the lookup goes out with the step's batch instead of
-    being waited for in the step that asked (where a healthy store answers it at once)."""
+def test_while_the_breaker_is_open_a_request_is_a_miss_at_once_with_no_lookup():
+    """A failing or slow store is bypassed: no step waits for a lookup and no request waits a step for
+    one; the store is not even asked. Once the breaker lets calls through again, requests hit again."""
 
     class Breaker:
         is_open = False
 
-    store, breaker = ScriptedStore(), Breaker()
+    store, breaker = CountingStore(), Breaker()
     publish(store, PROMPT)
     side = SchedulerSide(
         CONFIG, NS, store, loads_enabled=True, saves_enabled=False, lookup_calls=InlineCalls(), breaker=breaker
     )
     assert side.get_num_new_matched_tokens(request(PROMPT + [1], "healthy"), 0) == (85, True)
+    asked = store.queries
     breaker.is_open = True
-    req = request(PROMPT + [2], "failing")
-    assert side.get_num_new_matched_tokens(req, 0) == (None, False)  # not waited for
+    req = request(PROMPT + [2], "bypassed")
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)  # a miss in the step it arrived in
     side.build_connector_meta(EMPTY_STEP)
-    assert side.get_num_new_matched_tokens(req, 0) == (85, True)
+    assert store.queries == asked  # nothing was asked
+    assert side.take_stats()["lookups_bypassed"] == 1
+    breaker.is_open = False
+    assert side.get_num_new_matched_tokens(request(PROMPT + [3], "again"), 0) == (85, True)
