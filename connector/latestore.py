@@ -29,7 +29,12 @@ MAX_RETRY_S = 60.0
 
 
 class LateStore(ForwardingStore):
-    """A ``KVStore`` whose calls are misses until ``open_store`` succeeds on its thread."""
+    """A ``KVStore`` whose calls are misses until ``open_store`` succeeds on its thread.
+
+    Thread-safety: any thread may call. ``_store`` is set once (by the connect thread, under ``_lock``)
+    and cleared once (by ``close``, under it); callers read it once into a local and use that, so a
+    ``close`` between their read and their call is a call on a closed client (a ``StoreError``), never
+    an ``AttributeError`` on None. ``_registered`` is only touched under ``_lock``."""
 
     def __init__(
         self,
@@ -100,10 +105,12 @@ class LateStore(ForwardingStore):
 
     def register(self, address: int, nbytes: int) -> None:
         with self._lock:
-            if self._store is None:
-                self._registered.append((address, nbytes))  # registered with the client once it exists
+            store = self._store  # read once: a close() after the lock may set it to None
+            if store is None:
+                if not self._stop.is_set():  # closed: nothing will connect to register it with
+                    self._registered.append((address, nbytes))  # registered with the client once it exists
                 return
-        self._store.register(address, nbytes)
+        store.register(address, nbytes)
 
     def close(self) -> None:
         with self._lock:

@@ -48,7 +48,15 @@ _new_ref = tuple.__new__
 
 @dataclass(frozen=True)
 class PromptKeys:
-    """The keys of one prompt, for every cache group: blocks, tails and states, computed on demand."""
+    """The keys of one prompt, for every cache group: blocks, tails and states, computed on demand.
+
+    Thread-safety: the lookup thread (``search``) and the engine thread (save and load plans) use one
+    ``PromptKeys`` at once, with no lock. That is safe by one rule, which every cache below keeps and a
+    new one must keep too (or take a lock): a write stores the value a pure function of the frozen
+    fields gives for its key, so two threads writing one key write equal values (idempotent), and
+    no code iterates a cache (membership tests, ``get`` and single stores only; each is atomic under
+    the GIL). A cache that held anything else (a count, a list appended to, a value that depends on
+    which thread got there first) would race."""
 
     tokens: tuple[int, ...]
     block_size: int

@@ -128,3 +128,33 @@ def test_closing_while_it_tries_leaves_no_client_open():
     until(lambda: clients, "the try never returned")
     until(lambda: clients[0].closed == 1, "the client made after close stayed open")
     assert not late.connected
+
+
+def test_a_close_between_the_check_and_the_call_of_a_registration_is_no_attribute_error():
+    """``register`` reads the client once under the lock and calls that one: a ``close`` right after the
+    lock (here, inside its release) leaves the call on the client it read, never on None."""
+    store = Registering()
+    late = LateStore(lambda: store, retry_s=0.001)
+    until(lambda: late.connected, "the store never connected")
+
+    class CloseOnRelease:
+        def __init__(self, lock):
+            self._lock = lock
+
+        def __enter__(self):
+            self._lock.acquire()
+
+        def __exit__(self, *exc):
+            self._lock.release()
+            late._store = None  # what a close() on another thread does just then
+
+    late._lock = CloseOnRelease(threading.Lock())
+    late.register(4096, 64)
+    assert store.registered == [(4096, 64)]
+
+
+def test_a_registration_after_close_is_dropped():
+    late = LateStore(lambda: (_ for _ in ()).throw(StoreError("down")), retry_s=60.0)
+    late.close()
+    late.register(4096, 64)
+    assert late._registered == []
