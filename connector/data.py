@@ -32,6 +32,9 @@ class RequestLoad:
     req_id: str
     transfers: tuple[BlockTransfer, ...]
     failure: str | None = None  # planned to fail: the worker reports it failed without reading anything
+    # What recomputing its tokens would cost (the scheduler's cost model; None: not measured yet): a load
+    # still running past it is abandoned as a miss (``loader``), as recomputing would have been quicker.
+    recompute_s: float | None = None
 
 
 @dataclass(frozen=True)

@@ -105,6 +105,13 @@ def fetch(
     return Fetched(payloads=tuple(payloads))
 
 
+def _late(entry: _InFlight, timeout_s: float) -> LoadFailure:
+    """Why a started load that did not answer in time failed: its time-out, or slower than recomputing."""
+    if entry.limit_s < timeout_s:
+        return LoadFailure("slow", f"load took longer than recomputing its tokens ({entry.limit_s * 1e3:.0f} ms)")
+    return LoadFailure("timeout", f"load did not answer within {timeout_s:.3g} s")
+
+
 @dataclass
 class _InFlight:
     load: RequestLoad
@@ -116,6 +123,7 @@ class _InFlight:
     # The copy into the KV cache against the time-out (module docstring): set under ``gate``.
     gate: threading.Lock = field(default_factory=threading.Lock)
     abandoned: bool = False  # reported failed: no copy may begin
+    limit_s: float = 0.0  # how long it may take once started (``Loader._answer_limit_s``)
     applied: bool = False  # copied into the KV cache: reported received, even past the deadline
 
 
@@ -132,6 +140,8 @@ MAX_SAMPLES = 256  # measurements kept for the scheduler side, should it not col
 # Fetch threads: loads wait on the network with the GIL released, so a few run side by side; more
 # only adds threads stuck on a frozen store. Bytes in flight are what bounds loads (``budget_bytes``).
 LOAD_THREADS = 4
+# A load is never given less than this to answer (its tokens' recompute may be priced at a few ms).
+SLOW_LOAD_FLOOR_S = 0.050
 
 
 class Loader:
@@ -184,7 +194,7 @@ class Loader:
         if load.req_id in self._in_flight:
             return  # started already (the same step's metadata bound twice): one fetch per load
         now = self._clock()
-        entry = _InFlight(load, now + self._timeout_s, planned=now)
+        entry = _InFlight(load, now + self._timeout_s, planned=now, limit_s=self._answer_limit_s(load))
         self._in_flight[load.req_id] = entry
         if self._store is None or self.area is None:
             entry.failure = LoadFailure("no_store", "the worker has no store connection")
@@ -193,6 +203,14 @@ class Loader:
         self._start_queued()
         if entry.future is None and entry.failure is None:
             self.queued += 1
+
+    def _answer_limit_s(self, load: RequestLoad) -> float:
+        """How long a started load may take: the load time-out, or, where the scheduler priced its
+        tokens' recompute, that (at least ``SLOW_LOAD_FLOOR_S``): a load slower than recomputing is a
+        miss, and its request recomputes instead of waiting on."""
+        if load.recompute_s is None:
+            return self._timeout_s
+        return min(self._timeout_s, max(SLOW_LOAD_FLOOR_S, load.recompute_s))
 
     def _start_queued(self) -> None:
         store, area = self._store, self.area
@@ -223,7 +241,7 @@ class Loader:
             else:
                 entry.lease = lease  # None for a buffer of its own: its fetch gives that back (below)
             self._queue.popleft()
-            entry.deadline = self._clock() + self._timeout_s
+            entry.deadline = self._clock() + entry.limit_s
 
     def _oversize_fetcher(
         self, store: KVStore, entry: _InFlight, area: StagingArea, give_back: Callable[[], None]
@@ -302,7 +320,10 @@ class Loader:
                         "no_turn", f"load could not start within {self._timeout_s:.3g} s (earlier loads hold the store)"
                     )
                 elif self._abandon(entry):  # the fetch may still be stuck in the client; its answer is dropped
-                    failure = LoadFailure("timeout", f"load did not answer within {self._timeout_s:.3g} s")
+                    failure = _late(entry, self._timeout_s)
+                    if failure.cause == "slow" and self.area is not None:  # the cost model learns it (a bound)
+                        nbytes = len(entry.load.transfers) * self.area.slot_bytes
+                        self.samples.append((nbytes, entry.limit_s, now - entry.planned))
                 else:  # its copy began before the deadline and has ended: it is received
                     entry.future.result()  # returns at once: the copy was the fetch's last step
                     failure = self._answered(entry, counts)

@@ -37,7 +37,7 @@ COUNTERS: dict[str, str] = {
     "tail_objects_loaded": "tail objects (a partial block) copied into the KV cache",
     "state_objects_loaded": "state objects (a Mamba group's state) copied into the KV cache",
     "bytes_loaded": "payload bytes copied into the KV cache",
-    "load_failures_<cause>": "loads that failed, by cause (store_error, missing, timeout, no_turn, checksum, "
+    "load_failures_<cause>": "loads that failed, by cause (store_error, missing, timeout, slow, no_turn, checksum, "
     "namespace, hash, mismatch, truncated, version, foreign, corrupt, unloadable, no_store, no_memory): recomputed",
     # saves (worker side)
     "saves_<outcome>": "save objects by outcome (stored, present, no_space, not_ready, failed, dropped_shutdown; "

@@ -237,7 +237,9 @@ class SchedulerSide:
             transfers.append(
                 BlockTransfer(block_id, obj.kind, obj.token_start, obj.token_end, obj.chain_hash, obj.group)
             )
-        self._send_load(tracked, RequestLoad(request.request_id, tuple(transfers)))
+        model = self._judge.model
+        recompute_s = model.prefill_s(num_external_tokens) if model.ready else None
+        self._send_load(tracked, RequestLoad(request.request_id, tuple(transfers), recompute_s=recompute_s))
 
     def _send_load(self, tracked: TrackedRequest, load: RequestLoad) -> None:
         """A load (a failing one too): until it is reported, the blocks hold nothing computed (no answer save)."""

@@ -296,3 +296,29 @@ def test_the_copy_runs_off_the_engine_thread_and_one_begun_before_the_deadline_i
         store.gate.set()
         release.set()
         calls.shutdown()
+
+
+def test_a_load_slower_than_recomputing_its_tokens_is_abandoned_as_a_miss(monkeypatch):
+    """The scheduler priced the load's tokens' recompute: a load still running past that (at least the
+    floor) fails as ``slow``, its request recomputes, and the cost model hears how slow it was; a load
+    not priced keeps the load time-out."""
+    from connector.loader import SLOW_LOAD_FLOOR_S
+
+    accept_any(monkeypatch)
+    store, clock = GatedStore(), Clock()
+    instance, calls, written = loader(store, clock=clock)
+    try:
+        instance.start(RequestLoad("priced", (transfer(1),), recompute_s=0.2))
+        instance.start(RequestLoad("cheap", (transfer(2),), recompute_s=0.001))  # the floor holds
+        instance.start(load("unpriced", first_block=3))
+        clock.now += max(0.2, SLOW_LOAD_FLOOR_S) + 0.01
+        finished, counts = instance.finish()
+        assert set(finished.failed) == {"priced", "cheap"} and counts["load_failures_slow"] == 2
+        assert finished.failed["priced"][1].cause == "slow" and "200 ms" in finished.failed["priced"][1].detail
+        assert [sample[1] for sample in instance.samples] == [0.2, SLOW_LOAD_FLOOR_S]
+        store.gate.set()
+        received, failed = finish_all(instance, {"unpriced"})
+        assert "unpriced" not in failed and all(block == 3 for block, _ in written)
+    finally:
+        store.gate.set()
+        calls.shutdown()
