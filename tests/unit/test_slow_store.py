@@ -125,10 +125,10 @@ def test_a_lookup_past_what_its_hit_could_save_is_abandoned_and_reported():
 
 def test_a_request_waits_at_most_the_prefill_its_best_hit_saves():
     model = CostModel.given(load_fixed_ms=2.0, load_mb_per_s=1000.0, prefill_us_per_token=500.0)
-    pacing = LookupPacing(model, None, timeout_s=2.0)
+    pacing = LookupPacing(model, None, timeout_s=5.0)
     assert pacing.request_wait_s(10) == WAIT_FLOOR_S  # 5 ms of prefill: the floor
-    assert abs(pacing.request_wait_s(1000) - 0.5) < 1e-6  # 0.5 s of prefill
-    assert pacing.request_wait_s(100_000) == 2.0  # never past the time-out
+    assert abs(pacing.request_wait_s(6000) - 3.0) < 1e-6  # 3 s of prefill
+    assert pacing.request_wait_s(100_000) == 5.0  # never past the time-out
     assert LookupPacing(CostModel(), None, timeout_s=2.0).request_wait_s(10) == 2.0  # nothing measured yet
 
 
