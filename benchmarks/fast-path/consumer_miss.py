@@ -37,8 +37,21 @@ CONNECTORS = ("kvtool", "none")
 def launch(connector: str, workdir: Path, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, dict]:
     """A bench-model pair of ``connector`` (``extra``: more serve-pair flags), once it is ready."""
     ready = workdir / f"ready-{connector}.json"
-    argv = [sys.executable, "-m", "kvtool.cli", "serve-pair", "--model-preset", "bench", "--connector", connector,
-            "--ready-file", str(ready), "--log-dir", str(workdir / f"logs-{connector}"), *extra]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "kvtool.cli",
+        "serve-pair",
+        "--model-preset",
+        "bench",
+        "--connector",
+        connector,
+        "--ready-file",
+        str(ready),
+        "--log-dir",
+        str(workdir / f"logs-{connector}"),
+        *extra,
+    ]
     log = open(workdir / f"serve-pair-{connector}.log", "w")  # noqa: SIM115 - closed with the process
     pair = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 600
