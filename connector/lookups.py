@@ -15,6 +15,7 @@ import concurrent.futures
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from .backend import KVStore
 from .calls import BoundedCalls, StoreError
@@ -23,6 +24,7 @@ from .prefix import PromptKeys
 from .search import ExistsFn, ReadFn, StoredPrefix, find_stored_prefixes
 
 Outcome = StoredPrefix | StoreError
+T = TypeVar("T")
 FindFn = Callable[[list[PromptKeys], ExistsFn, "ReadFn | None", int], list[StoredPrefix]]
 
 # A pointer read gets this share of the lookup's time-out: when it stalls (a first transfer from a
@@ -49,6 +51,34 @@ class _Pending:
     outcome: Outcome | None = None
 
 
+class StoreTimer:
+    """How long the store call a lookup job is waiting on has been out (0 while the job runs Python).
+
+    A lookup can be late for two reasons: the store is slow, or this process's threads were too busy to
+    run the job (a CPU engine's forward pass takes the cores the lookup thread would run on). Only the
+    first is the store's fault. Thread-safety: one job runs at a time (``BoundedCalls``), so one thread
+    writes ``_since`` at a time; the engine thread only reads it (a float, read whole under the GIL).
+    """
+
+    def __init__(self, clock: Callable[[], float]):
+        self._clock = clock
+        self._since: float | None = None
+
+    def wrap(self, fn: Callable[[list[str]], T]) -> Callable[[list[str]], T]:
+        def timed(keys: list[str]) -> T:
+            self._since = self._clock()
+            try:
+                return fn(keys)
+            finally:
+                self._since = None
+
+        return timed
+
+    def in_flight_s(self, now: float) -> float:
+        since = self._since
+        return 0.0 if since is None else max(0.0, now - since)
+
+
 class LookupAbandoned(StoreError):
     """A lookup not answered within what its best hit could save: a miss, and a slow store's sign."""
 
@@ -71,12 +101,15 @@ class LookupBatcher:
         read: ReadFn | None = None,
         extend_min_tokens: int = 1,
         find: FindFn = find_stored_prefixes,
-        on_late: Callable[[str], None] | None = None,
+        on_late: Callable[[str, float], None] | None = None,
     ):
         self._find = find  # a consumer's longest stored prefixes; a producer's stored objects
-        self._on_late = on_late  # told of each lookup given up on (why): the breaker counts a slow store
-        self._exists = exists
-        self._read = read
+        # Told of each lookup given up on: why, and how long the store call it waits on has been out (0:
+        # none is, the job was late for want of CPU). The scheduler reports a slow store to the breaker.
+        self._on_late = on_late
+        self._timer = StoreTimer(clock)
+        self._exists = self._timer.wrap(exists)
+        self._read = self._timer.wrap(read) if read is not None else None
         self._extend_min_tokens = extend_min_tokens
         self._timeout_s = timeout_s
         self._clock = clock
@@ -109,11 +142,11 @@ class LookupBatcher:
         elif (waited := self._store_wait(pending, now)) > pending.wait_s:
             self.abandoned += 1
             pending.outcome = LookupAbandoned(
-                f"the store took over {waited * 1e3:.0f} ms, more than the request's best hit could save "
+                f"the lookup took over {waited * 1e3:.0f} ms, more than the request's best hit could save "
                 f"({pending.wait_s * 1e3:.0f} ms)"
             )
         if pending.outcome is not None and self._on_late is not None:
-            self._on_late(str(pending.outcome))
+            self._on_late(str(pending.outcome), self._timer.in_flight_s(now))
         return pending.outcome
 
     def _store_wait(self, pending: _Pending, now: float) -> float:

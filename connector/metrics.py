@@ -21,6 +21,8 @@ COUNTERS: dict[str, str] = {
     "lookup_batches": "lookup batches sent to the store (one per scheduler step with new requests)",
     "lookup_timeouts": "lookups not answered within lookup_timeout_s: misses",
     "lookups_abandoned": "lookups given up on: the store took longer than the request's best hit could save",
+    "lookups_late_busy": "lookups given up on while no store call was slow (the engine's threads were busy): "
+    "misses that keep the store in use",
     "lookups_bypassed": "requests not looked up because the store was bypassed (failing or slow): misses at once",
     "lookups_not_worth": "requests not looked up: no hit could pay for its load (the cost model), or none to gain",
     "pointer_reads_failed": "lookups whose pointer reads failed: served without the hits that needed them",

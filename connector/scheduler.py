@@ -12,7 +12,7 @@ from .data import BlockTransfer, KVToolMetadata, RequestLoad, RequestSave, Store
 from .groups import NULL_BLOCK_ID, CacheGroup, GroupKind
 from .keys import KeyKind, Namespace
 from .answers import plan_answer_save
-from .breaker import CircuitBreaker, report_slow
+from .breaker import CircuitBreaker
 from .calls import BoundedCalls
 from .counters import Counters, WarnOnce
 from .lookups import POINTER_READ_SHARE, LookupBatcher, pointer_reader
@@ -82,7 +82,7 @@ class SchedulerSide:
                 read=pointer_reader(store, config.lookup_timeout_s * POINTER_READ_SHARE, self._block_size),
                 extend_min_tokens=config.extend_min_tokens,
                 find=find_stored_prefixes if self._loads_enabled else find_saved_objects,
-                on_late=self._lookup_late,
+                on_late=lambda why, store_s: self._pacing.late(why, store_s),
             )
             if store is not None
             else None
@@ -90,7 +90,10 @@ class SchedulerSide:
         self.request_log = RequestLog(config.request_log, self.stats) if config.request_log else None
         self._step = 0  # scheduler steps built so far (the request timelines count in them)
         self._judge = HitJudge(block_bytes, config.skip_unprofitable_loads, token_bytes)  # do hits pay?
-        self._pacing = LookupPacing(self._judge.model, breaker, config.lookup_timeout_s)  # how long lookups wait
+        # How long lookups wait, and what a late one says of the store.
+        self._pacing = LookupPacing(
+            self._judge.model, breaker, config.lookup_timeout_s, stats=self.stats, slow_call_s=config.slow_call_ms / 1e3
+        )
 
     # -- lookup -------------------------------------------------------------------------------------
 
@@ -192,11 +195,6 @@ class SchedulerSide:
                 tracked.lookup = f"not looked up: {verdict.skipped}"
                 self.stats.add("lookups_not_worth")
         return tracked.lookup_worth
-
-    def _lookup_late(self, why: str) -> None:
-        """A lookup given up on (its bound or the time-out passed): the breaker hears of a slow store."""
-        if self._breaker is not None:
-            report_slow(self._breaker, self.stats, "scheduler", "lookup", why)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         tracked = self._track(request)

@@ -104,6 +104,34 @@ def test_a_slow_store_is_a_miss_within_the_lookup_timeout(pair):
     assert details.tail_hit_tokens == 8
 
 
+def test_a_store_slowed_below_slow_call_ms_is_used_and_above_it_bypassed_until_quick_again(pair):
+    """Issue 38: a store that answers slowly costs hits, never time. 20 ms a call (under slow_call_ms,
+    150) keeps it in use: hits. 400 ms a call (over it, under every lookup bound) is bypassed within the
+    breaker's three slow calls: requests are misses at once, every answer exact. Quick again, it is used
+    again after the back-off, without a restart."""
+    base = prompt(200, 40)
+    produce(pair, base)
+    bypassed_before = metric(pair, "consumer", "vllm:kvtool_store_bypassed_slow_total")
+    with faults(pair, delay_s=0.02):
+        details, _ = consume(pair, base + prompt(201, 10))
+    assert (details.lookup, details.external_hit_tokens) == ("hit", 40)
+    assert metric(pair, "consumer", "vllm:kvtool_store_bypassed_slow_total") == bypassed_before
+
+    with faults(pair, delay_s=0.4):
+        lookups = [consume(pair, base + prompt(202 + n, 10))[0].lookup for n in range(5)]
+    assert any("bypassed" in lookup for lookup in lookups), lookups
+    assert metric(pair, "consumer", "vllm:kvtool_store_bypassed_slow_total") > bypassed_before
+
+    deadline, seed = time.monotonic() + 60, 210
+    while True:  # quick again: the breaker's trial lookup (after a back-off of 1-10 s) closes it
+        details, _ = consume(pair, base + prompt(seed, 10))
+        if not details.lookup.startswith("error:") or time.monotonic() > deadline:
+            break
+        seed += 1
+        time.sleep(0.5)
+    assert details.lookup == "hit" and details.tail_hit_tokens == 8  # block 0 is local by now
+
+
 def test_a_full_store_keeps_the_tail_a_miss_and_the_watermark_at_the_last_block(pair, reader):
     base = prompt(130, 85)
     with faults(pair, put_outcome="no_space", put_kinds=["t"]):

@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import threading
+
+import pytest
 
 from connector.breaker import BreakerPolicy, CircuitBreaker, GuardedStore, report_slow
+from connector.calls import BoundedCalls
 from connector.counters import Counters
 from connector.lookups import LookupAbandoned, LookupBatcher
 from connector.lookupwait import WAIT_FLOOR_S, LookupPacing
@@ -106,7 +110,8 @@ def test_a_lookup_past_what_its_hit_could_save_is_abandoned_and_reported():
         def submit(self, fn, what):
             return pending  # the store has not answered
 
-    batcher = LookupBatcher(lambda k: [False] * len(k), 2.0, clock=clock, calls=HeldCalls(), on_late=late.append)
+    on_late = lambda why, store_s: late.append((why, store_s))  # noqa: E731
+    batcher = LookupBatcher(lambda k: [False] * len(k), 2.0, clock=clock, calls=HeldCalls(), on_late=on_late)
     batcher.want("a", keys(list(range(100))), wait_s=0.05)
     clock.now += 0.5  # the engine ran a long step before it sent the batch: not the store's time
     batcher.flush()
@@ -121,6 +126,54 @@ def test_a_lookup_past_what_its_hit_could_save_is_abandoned_and_reported():
     clock.now += 0.04
     assert isinstance(batcher.poll("b"), LookupAbandoned)  # held back 60 ms by the slow job
     assert len(late) == 2 and batcher.take_stats()["lookups_abandoned"] == 2
+    assert [store_s for _, store_s in late] == [0.0, 0.0]  # no store call was out: the job never ran
+
+
+def test_a_lookup_given_up_on_says_how_long_its_store_call_has_been_out():
+    clock, late = Clock(), []
+    entered, release = threading.Event(), threading.Event()
+
+    def exists(keys):
+        entered.set()
+        release.wait(10)
+        return [False] * len(keys)
+
+    calls = BoundedCalls("test-lookup", limit=1)
+    on_late = lambda why, store_s: late.append(store_s)  # noqa: E731
+    batcher = LookupBatcher(exists, 2.0, clock=clock, calls=calls, on_late=on_late)
+    batcher.want("a", keys(list(range(100))), wait_s=0.05)
+    batcher.flush()
+    assert entered.wait(10)
+    clock.now += 0.3  # the store call has been out 300 ms
+    assert isinstance(batcher.poll("a"), LookupAbandoned)
+    release.set()
+    assert late == [pytest.approx(0.3)]
+
+
+def scheduler_side(slow_call_ms: float = 150.0) -> tuple[SchedulerSide, CircuitBreaker]:
+    breaker = CircuitBreaker(BreakerPolicy(failures_to_open=1))
+    config = CONFIG.model_copy(update={"slow_call_ms": slow_call_ms})
+    side = SchedulerSide(config, NS, ScriptedStore(), loads_enabled=True, saves_enabled=False, breaker=breaker)
+    return side, breaker
+
+
+def test_a_lookup_late_while_a_store_call_is_slow_bypasses_the_store():
+    side, breaker = scheduler_side()
+    side._pacing.late("the lookup took over 1200 ms", store_s=1.1)
+    assert breaker.is_open and side.take_stats()["store_slow_lookup"] == 1
+
+
+def test_a_lookup_late_for_want_of_cpu_is_a_miss_but_keeps_the_store(caplog):
+    """A CPU engine's forward pass holds the cores the lookup thread runs on: the lookup is late with no
+    store call out (or a quick one). The request is a miss; the store is not bypassed for it."""
+    side, breaker = scheduler_side()
+    with caplog.at_level(logging.WARNING, logger="vllm.kvtool"):
+        side._pacing.late("lookup timed out after 2 s", store_s=0.0)
+        side._pacing.late("lookup timed out after 2 s", store_s=0.01)
+    assert not breaker.is_open
+    stats = side.take_stats()
+    assert stats["lookups_late_busy"] == 2 and "store_slow_lookup" not in stats
+    assert sum("too busy" in r.getMessage() for r in caplog.records) == 1  # warned once
 
 
 def test_a_request_waits_at_most_the_prefill_its_best_hit_saves():
