@@ -16,8 +16,9 @@ bounds keep that wait worth it:
   ``MAX_STEP_WAIT_S``. Waiting costs the step's running streams that share of a step, once; not
   waiting costs each unanswered new request a whole step. So a GPU engine's 30 ms steps wait the 2 ms
   floor, and a CPU engine's two-second prefill steps wait long enough for a burst of new requests
-  (each a store round trip) to be answered in the step that first sees them. After an idle spell (no
-  stream running to be delayed) a step waits at least ``IDLE_LOOKUP_BUDGET_S``.
+  (each a store round trip) to be answered in the step that first sees them. A step after one that
+  computed nothing waits at least ``IDLE_LOOKUP_BUDGET_S``, and the first after an idle spell (nothing
+  running to be delayed but the burst of new requests itself) ``IDLE_SPELL_BUDGET_S``.
 
 A lookup given up on is judged (``late``): the store is bypassed for it only when a store call was
 what it waited on; a lookup late because the engine's threads were busy is a miss that keeps the store.
@@ -43,10 +44,15 @@ logger = logging.getLogger("vllm.kvtool")
 # How long one scheduling step may wait for lookups, in all: a lookup answered within the step saves
 # its request a step (benchmarks/compare-peers: the steps a hit waited made kvtool's TTFT the slowest).
 SYNC_LOOKUP_BUDGET_S = 0.002
-# The same after a step that computed nothing, or after the engine sat idle: no stream is running to be
-# delayed, and the engine would only spin empty steps, each holding the GIL the lookup's thread needs.
+# The same after a step that computed nothing: no stream is running to be delayed, and the engine would
+# only spin empty steps, each holding the GIL the lookup's thread needs.
 IDLE_LOOKUP_BUDGET_S = 0.010
-IDLE_AFTER_S = 0.050  # no step built for this long: the engine waited for requests
+# After the engine sat idle (it waited for requests): nothing runs to be delayed but the new requests
+# themselves, and a burst of them (each a round trip, one after another) answered in this step is
+# prefilled in it, not a whole step later. Spent only while lookups are out: a step goes on as soon as
+# they have answered.
+IDLE_SPELL_BUDGET_S = 0.050
+IDLE_AFTER_S = 0.050  # no step built for this long (beyond the step running): the engine waited for requests
 # A busy step waits for lookups at most this share of the engine's measured step length (the streams it
 # runs are delayed by that, once), never past ``MAX_STEP_WAIT_S``.
 STEP_WAIT_SHARE = 0.02
@@ -120,7 +126,7 @@ class LookupPacing:
         in about a millisecond, and the request is scheduled in this step instead of the next."""
         now = self._clock()
         if now - self._last_build_s > IDLE_AFTER_S + self._running_step_s():
-            self._step_wait_left = max(self._step_wait_left, IDLE_LOOKUP_BUDGET_S, self.step_budget_s())
+            self._step_wait_left = max(self._step_wait_left, IDLE_SPELL_BUDGET_S, self.step_budget_s())
             self._last_build_s = now  # once per idle spell
         if self._step_wait_left <= 0 or self.bypassed():
             return None

@@ -103,9 +103,15 @@ def test_a_registration_the_new_client_refuses_is_said_and_the_client_kept():
         def register(self, address, nbytes):
             raise StoreError("refused")
 
-    client = Refusing()
-    late = LateStore(lambda: client, retry_s=0.001)
+    client, registered = Refusing(), threading.Event()
+
+    def open_store():
+        registered.wait(10)  # the engine registers before the store answers (else it is a direct call)
+        return client
+
+    late = LateStore(open_store, retry_s=0.001)
     late.register(1, 2)
+    registered.set()
     try:
         until(lambda: late.connected, "never connected")
         assert late.exists(["k"]) == [False] and client.closed == 0

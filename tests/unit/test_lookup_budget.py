@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from connector.lookupwait import (
     IDLE_LOOKUP_BUDGET_S,
+    IDLE_SPELL_BUDGET_S,
     MAX_STEP_WAIT_S,
     STEP_WAIT_SHARE,
     SYNC_LOOKUP_BUDGET_S,
@@ -71,9 +72,25 @@ def test_a_long_forward_pass_gets_the_step_budget_and_an_idle_engine_at_least_th
     assert abs(lookups.budgets[1] - (STEP_WAIT_SHARE * 2.0 - 0.001)) < 1e-9  # one budget for the step, in all
 
     pacing.step_built(0)  # a step that computed nothing: nothing runs to be delayed
-    clock.now += 5.0
     pacing.settle(lookups, "c")
     assert lookups.budgets[2] == max(IDLE_LOOKUP_BUDGET_S, STEP_WAIT_SHARE * 2.0)
+
+    clock.now += 5.0  # the engine sat idle; then a burst of new requests
+    pacing.settle(lookups, "d")
+    assert lookups.budgets[3] == IDLE_SPELL_BUDGET_S
+
+
+def test_a_burst_after_an_idle_spell_waits_for_all_of_its_lookups_in_one_step():
+    """16 new requests at an idle engine, each lookup a 2 ms round trip after the one before: all of
+    them are answered within the first step's wait."""
+    clock = Clock()
+    pacing = LookupPacing(CostModel(), None, 2.0, clock=clock)
+    busy_steps(pacing, clock, [0.3] * 3)
+    clock.now += 10.0
+    lookups = Lookups(clock, spend_s=0.002)
+    for number in range(16):
+        pacing.settle(lookups, str(number))
+    assert len(lookups.budgets) == 16 and lookups.budgets[-1] > 0
 
 
 def test_a_short_step_keeps_streams_almost_undelayed():
