@@ -9,7 +9,7 @@ Four kinds:
 - ``mooncake``: a Mooncake client file (``MOONCAKE_CONFIG_PATH``, JSON), as vLLM's in-tree store
   connector and the kvtool connector read it.
 - ``pair``: a ``kvtool serve-pair --config`` file (TOML): the pair's flags, by name (checked where the
-  flags are declared, ``kvtool.commands.options.PairOptions.with_file``).
+  flags are declared, ``kvtool.commands.pairoptions.PairOptions.with_file``).
 
 A bad file is one ``UserError`` sentence naming the field and what it accepts.
 """
@@ -91,7 +91,7 @@ def check_config_file(path: Path, kind: ConfigKind | None = None) -> CheckedConf
         return CheckedConfig(path, kind, content, connector=_connector_config(path, content))
     if kind == "mooncake":
         return _check_mooncake(path, content)
-    # A pair file holds the pair's flags: kvtool.commands.options.PairOptions.with_file checks it.
+    # A pair file holds the pair's flags: kvtool.commands.pairoptions.PairOptions.with_file checks it.
     return CheckedConfig(path, kind, content)
 
 

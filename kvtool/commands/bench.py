@@ -7,7 +7,8 @@ from typing import Annotated
 
 import typer
 
-from kvtool.commands.options import OutputOptions, PairOptions, with_options
+from kvtool.commands.options import OutputOptions, with_options
+from kvtool.commands.pairoptions import PairOptions
 from kvtool.commands.output import check_writable, emit, user_errors_exit
 
 

@@ -7,7 +7,8 @@ from typing import Annotated, Any
 
 import typer
 
-from kvtool.commands.options import OutputOptions, PairOptions, with_options
+from kvtool.commands.options import OutputOptions, with_options
+from kvtool.commands.pairoptions import PairOptions
 from kvtool.commands.output import EXIT_CODES_EPILOG, check_writable, emit, user_errors_exit
 from kvtool.errors import UserError
 from kvtool.files import write_json_atomically
@@ -119,7 +120,7 @@ def _pair_payload(pair: PairOptions) -> dict[str, Any]:
 
     cfg = pair.config(generate_model=False)
     engines: dict[str, Any] = {}
-    for role in ("producer", "consumer"):
+    for role in cfg.engine_names:
         transfer = kv_transfer_config(cfg, role)
         engines[role] = {"kv_transfer_config": transfer}
         if transfer is not None and "kv_connector_module_path" in transfer:

@@ -8,7 +8,8 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from kvtool.commands.options import PairOptions, with_options
+from kvtool.commands.options import with_options
+from kvtool.commands.pairoptions import PairOptions
 from kvtool.commands.output import check_writable, out, say, user_errors_exit
 from kvtool.pair.ready import ReadyFile
 
@@ -26,6 +27,9 @@ def serve_pair_command(
     ] = False,
 ) -> None:
     """Start a Mooncake master, a producer and a consumer vLLM server on 127.0.0.1 and keep them running.
+
+    With --engines N, a fleet instead: N vLLM engines (each kv_both) behind vLLM's router, which is
+    supervised like the master; an engine that dies is taken out by the router and the rest serve on.
 
     A master (or standalone store) that dies or stops answering its health check is killed and started
     again on the same ports, with back-off. Stops everything on Ctrl-C, on SIGTERM or when an engine
@@ -58,12 +62,15 @@ def print_pair(info: ReadyFile) -> None:
         "store": info.store_address or "",
         "producer": info.producer,
         "consumer": info.consumer,
+        "router": f"{info.router} ({info.router_policy})",
+        **info.engines,
     }
     for name, pid in info.pids.items():
         table.add_row(name, str(pid), addresses.get(name, ""), str(Path(info.log_dir) / f"{name}.log"))
     out.print(table)
+    roles = f"{len(info.engines)} engines, kv_both, behind the router" if info.router else info.roles
     out.print(
-        f"model: {info.model}\nconnector: {info.connector}  roles: {info.roles}  "
+        f"model: {info.model}\nconnector: {info.connector}  roles: {roles}  "
         f"store: {info.store}  block size: {info.block_size}  hash unit: {info.hash_unit}",
         soft_wrap=True,
         highlight=False,

@@ -24,7 +24,11 @@ from kvtool.pair.profiles import ConnectorChoice, ConnectorProfile
 
 StoreChoice = Literal["embedded", "standalone"]
 RolesChoice = Literal["pd", "both"]  # pd: kv_producer + kv_consumer; both: kv_both on each engine
-Role = Literal["producer", "consumer"]
+# An engine's name: "producer" and "consumer" in a pair; "engine-0", "engine-1", ... in a fleet.
+Role = str
+# vLLM's router's policies that need nothing but the engines' URLs (kv_aware needs KV events wired).
+RouterPolicy = Literal["round_robin", "random", "power_of_two", "consistent_hash", "cache_aware", "sticky_least_loaded"]
+FLEET_PREFIX = "engine-"
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
@@ -76,6 +80,14 @@ class ServePairConfig(BaseModel):
     saving_engine_args: tuple[str, ...] = ()  # instead of engine_args, for an engine that saves KV
     kv_block_size: int | None = None
     state_model: bool = False  # the model has Mamba state groups (the connector profile may add flags)
+    # A fleet: this many engines, each kv_both (saving its prompts and answers, loading from the store),
+    # behind vLLM's router; 0: the producer / consumer pair. Engine i listens on engine_ports[i], or
+    # on producer_port + i.
+    engines: int = Field(default=0, ge=0)
+    engine_ports: tuple[int, ...] = ()
+    router_port: int = Field(default=8000, ge=1, le=65535)
+    router_metrics_port: int = Field(default=29000, ge=1, le=65535)
+    router_policy: RouterPolicy = "round_robin"
 
     @property
     def effective_block_size(self) -> int:
@@ -121,7 +133,30 @@ class ServePairConfig(BaseModel):
         # With a standalone store the engines only use it; its owner outlives a producer restart.
         return 0 if self.store == "standalone" else self.segment_bytes
 
+    @property
+    def is_fleet(self) -> bool:
+        return self.engines > 0
+
+    @property
+    def engine_names(self) -> tuple[Role, ...]:
+        """Every engine, in start order: a fleet's engine-0, engine-1, ...; a pair's producer and consumer."""
+        if self.is_fleet:
+            return tuple(f"{FLEET_PREFIX}{index}" for index in range(self.engines))
+        return ("producer", "consumer")
+
+    @property
+    def saves_answers(self) -> bool:
+        """Each engine saves prompt + answer at request end (kv_both): with roles "both", and in a fleet."""
+        return self.roles == "both" or self.is_fleet
+
+    @property
+    def router_url(self) -> str | None:
+        return f"http://{LOOPBACK}:{self.router_port}" if self.is_fleet else None
+
     def port(self, role: Role) -> int:
+        if role.startswith(FLEET_PREFIX):
+            index = int(role.removeprefix(FLEET_PREFIX))
+            return self.engine_ports[index] if self.engine_ports else self.producer_port + index
         return self.producer_port if role == "producer" else self.consumer_port
 
     def base_url(self, role: Role) -> str:

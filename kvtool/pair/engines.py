@@ -37,8 +37,8 @@ def request_log_path(cfg: ServePairConfig, role: Role) -> Path:
 
 
 def kv_role_for(cfg: ServePairConfig, role: Role) -> str:
-    """vLLM's kv_role of an engine: with roles "both" each engine loads and saves (kv_both)."""
-    if cfg.roles == "both":
+    """vLLM's kv_role of an engine: with roles "both", and in a fleet, each engine loads and saves (kv_both)."""
+    if cfg.saves_answers:
         return "kv_both"
     return "kv_producer" if role == "producer" else "kv_consumer"
 
@@ -52,8 +52,8 @@ def kv_transfer_config(cfg: ServePairConfig, role: Role) -> dict[str, Any] | Non
         cfg.local_buffer_bytes,
         request_log_path(cfg, role),
         {"fault_control_file": str(cfg.fault_control_file)} if cfg.fault_control_file else None,
-        # With roles "both" the decoding engine saves its answers, so a chat's next turn reuses them.
-        save_answers=cfg.roles == "both",
+        # A kv_both engine saves its answers, so a chat's next turn reuses them (on any engine).
+        save_answers=cfg.saves_answers,
         divergence_grid=cfg.divergence_grid,
         take_every_hit=cfg.take_every_hit,
         server_port=cfg.store_port if cfg.starts_lmcache else None,
@@ -110,12 +110,21 @@ def usable_cpus() -> list[int]:
 
 def cpu_halves(cpus: list[int] | None = None) -> tuple[str, str]:
     """OMP core lists for the producer and the consumer: two disjoint halves of the usable cores."""
+    return engine_cpus(0, 2, cpus), engine_cpus(1, 2, cpus)
+
+
+def engine_cpus(index: int, count: int, cpus: list[int] | None = None) -> str:
+    """The OMP core list of engine ``index`` of ``count``: disjoint equal shares of the usable cores, or,
+    with more engines than cores, one core each in turn (engines then share cores)."""
     if cpus is None:
         cpus = usable_cpus()
     if len(cpus) < 2:
-        return "all", "all"
-    half = len(cpus) // 2
-    return ",".join(map(str, cpus[:half])), ",".join(map(str, cpus[half:]))
+        return "all"
+    if count > len(cpus):
+        return str(cpus[index % len(cpus)])
+    share = len(cpus) // count
+    own = cpus[index * share :] if index == count - 1 else cpus[index * share : (index + 1) * share]
+    return ",".join(map(str, own))
 
 
 def rank_binding(cpus: str, ranks: int, usable: list[int] | None = None) -> str:
@@ -135,8 +144,8 @@ def rank_binding(cpus: str, ranks: int, usable: list[int] | None = None) -> str:
 
 def engine_env(cfg: ServePairConfig, role: Role, base: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
-    producer_cpus, consumer_cpus = cpu_halves()
-    cpus = rank_binding(producer_cpus if role == "producer" else consumer_cpus, cfg.tensor_parallel_size)
+    names = cfg.engine_names
+    cpus = rank_binding(engine_cpus(names.index(role), len(names)), cfg.tensor_parallel_size)
     env.update(
         {
             # Without these vLLM's and Mooncake's sockets advertise the machine's LAN address.

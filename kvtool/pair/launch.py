@@ -14,11 +14,12 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 from kvtool.errors import EXIT_INTERRUPTED, ServerError
 from kvtool.files import write_json_atomically
-from kvtool.pair.config import REPO_ROOT, Reporter, ServePairConfig
+from kvtool.pair.config import FLEET_PREFIX, REPO_ROOT, Reporter, ServePairConfig
 from kvtool.pair.engines import engine_argv, engine_env
 from kvtool.pair.preflight import preflight
-from kvtool.pair.procs import LOOPBACK, ProcessDied, ProcessSet, ReadinessCheck
+from kvtool.pair.procs import LOOPBACK, ManagedProcess, ProcessDied, ProcessSet, ReadinessCheck
 from kvtool.pair.ready import ReadyFile, ReadyFileWriter, admin_url_for, ready_info
+from kvtool.pair.router import ROUTER_LABEL, router_argv, router_binary, router_readiness
 from kvtool.store.mooncake import (
     find_binary,
     lmcache_argv,
@@ -96,7 +97,7 @@ def start_mooncake(cfg: ServePairConfig, procs: ProcessSet, say: Reporter) -> di
 
 
 def start_engines(cfg: ServePairConfig, procs: ProcessSet, say: Reporter) -> None:
-    """Start the producer and the consumer side by side and wait until both are healthy."""
+    """Start the engines (a pair's producer and consumer, a fleet's N) side by side; wait until all are healthy."""
     engines = [
         procs.start(
             role,
@@ -105,12 +106,20 @@ def start_engines(cfg: ServePairConfig, procs: ProcessSet, say: Reporter) -> Non
             readiness=ReadinessCheck(http_url=cfg.base_url(role) + "/health"),
             cwd=REPO_ROOT,
         )
-        for role in ("producer", "consumer")
+        for role in cfg.engine_names
     ]
-    say(f"starting producer and consumer vLLM servers (about a minute; logs in {cfg.log_dir})")
+    what = f"{cfg.engines} vLLM engines" if cfg.is_fleet else "producer and consumer vLLM servers"
+    say(f"starting {what} (about a minute; logs in {cfg.log_dir})")
     began = time.monotonic()
     procs.wait_ready(engines, timeout_s=cfg.startup_timeout_s)
     say(f"all healthy after {time.monotonic() - began:.0f} s")
+
+
+def start_router(cfg: ServePairConfig, procs: ProcessSet, say: Reporter) -> None:
+    """vLLM's router in front of the fleet's engines, once they are all healthy."""
+    say(f"starting {ROUTER_LABEL} on {cfg.router_url} ({cfg.router_policy} over {cfg.engines} engines)")
+    router = procs.start("router", router_argv(cfg, router_binary()), readiness=router_readiness(cfg))
+    procs.wait_ready([router], timeout_s=60)
 
 
 @contextmanager
@@ -130,12 +139,13 @@ def launched_pair(
     cfg.log_dir.mkdir(parents=True, exist_ok=True)
     procs = ProcessSet(cfg.log_dir)
     ready = ReadyFileWriter(cfg.ready_file)
+    procs.on_departed = lambda _name: ready.refresh()  # a fleet's engine let go: the file lists the rest
     watch: Watch | None = None
     try:
         with signal_guard():
             labels = start_mooncake(cfg, procs, say)
             supervisor: Supervisor | None = None
-            if labels:
+            if labels or cfg.is_fleet:
                 supervisor = Supervisor(
                     procs,
                     labels,
@@ -146,6 +156,10 @@ def launched_pair(
                 )
                 watch = Watch(supervisor).start()
             start_engines(cfg, procs, say)
+            if cfg.is_fleet:
+                assert supervisor is not None
+                start_router(cfg, procs, say)
+                supervisor.supervise("router", ROUTER_LABEL)
 
             def current_info() -> ReadyFile:
                 restarts = supervisor.restarts() if supervisor is not None else {}
@@ -173,6 +187,22 @@ def launched_pair(
             watch.release()
 
 
+def _engine_left_fleet(cfg: ServePairConfig, procs: ProcessSet, dead: ManagedProcess, say: Reporter) -> bool:
+    """A fleet's engine that ended while others serve: let go (the router takes it out of its rotation,
+    and what its segment held becomes misses); True. False for anything else, or the last engine."""
+    if not dead.name.startswith(FLEET_PREFIX):
+        return False
+    serving = [name for name in cfg.engine_names if name != dead.name and name not in procs.departed]
+    if not serving:
+        return False
+    procs.depart(dead.name)
+    say(
+        f"{dead.name} (pid {dead.pid}) {dead.how_it_ended()}; the router takes it out of the rotation, "
+        f"{len(serving)} engine(s) serve on (its log: {dead.log_path})"
+    )
+    return True
+
+
 def run_pair(
     cfg: ServePairConfig,
     say: Reporter,
@@ -198,7 +228,7 @@ def run_pair(
                 return 0
             while True:
                 dead = procs.first_dead()
-                if dead is not None:
+                if dead is not None and not _engine_left_fleet(cfg, procs, dead, say):
                     raise dead.died_error("while serving; stopping the others")
                 time.sleep(0.5)
     except Interrupted:

@@ -7,6 +7,7 @@ import importlib.metadata
 from kvtool.errors import UserError
 from kvtool.pair.config import CPU_BLOCK_MULTIPLE, HA_PREFIX, ServePairConfig, master_endpoints
 from kvtool.pair.procs import ensure_port_free, tcp_port_open
+from kvtool.pair.router import router_binary
 from kvtool.store.mooncake import find_binary, lmcache_binary
 
 
@@ -37,6 +38,25 @@ def preflight(cfg: ServePairConfig) -> None:
         find_binary("mooncake_client")
     if cfg.starts_lmcache:
         lmcache_binary()
+    if cfg.is_fleet:
+        router_binary()
+
+
+def check_fleet(cfg: ServePairConfig) -> None:
+    """A fleet's own settings: two engines or more, a port for each, a connector that runs kv_both."""
+    if cfg.engine_ports and len(cfg.engine_ports) != cfg.engines:
+        raise UserError(
+            f"--engine-port is given {len(cfg.engine_ports)} time(s) for --engines {cfg.engines}; give one "
+            "port per engine, or none (then engine i listens on --producer-port + i)"
+        )
+    if not cfg.is_fleet:
+        return
+    if cfg.engines < 2:
+        raise UserError(f"--engines {cfg.engines} is no fleet; give 2 or more (or leave it out for the pair)")
+    if cfg.starts_lmcache:
+        raise UserError(
+            "--engines with --connector lmcache is not supported yet; pick kvtool, vllm-mooncake-store or none"
+        )
 
 
 def check_model(cfg: ServePairConfig) -> None:
@@ -71,10 +91,13 @@ def check_values(cfg: ServePairConfig) -> list[tuple[int, str]]:
             f"--roles {cfg.roles} needs a connector; drop it or pick --connector kvtool or vllm-mooncake-store"
         )
 
-    ports: list[tuple[int, str]] = [
-        (cfg.producer_port, "--producer-port"),
-        (cfg.consumer_port, "--consumer-port"),
-    ]
+    check_fleet(cfg)
+    if cfg.is_fleet:
+        flag = "--engine-port" if cfg.engine_ports else "--producer-port (+ the engine's index)"
+        ports = [(cfg.port(name), f"{flag} of {name}") for name in cfg.engine_names]
+        ports += [(cfg.router_port, "--router-port"), (cfg.router_metrics_port, "--router-metrics-port")]
+    else:
+        ports = [(cfg.producer_port, "--producer-port"), (cfg.consumer_port, "--consumer-port")]
     if cfg.starts_master:
         ports += [(cfg.master_port, "--master-port"), (cfg.admin_port, "--admin-port")]
     if cfg.starts_store or cfg.starts_lmcache:

@@ -235,16 +235,25 @@ class ProcessSet:
 
     Start processes from the main thread, or from a thread that outlives them: PR_SET_PDEATHSIG
     fires when the *thread* that forked exits. Names in ``supervised`` are restarted by someone
-    else (kvtool.pair.supervise), so first_dead() does not report them.
+    else (kvtool.pair.supervise), and names in ``departed`` have ended and were let go (a fleet's
+    engine: the rest serve on), so first_dead() reports neither; pids() leaves out the departed.
     """
 
     def __init__(self, log_dir: Path) -> None:
         self.log_dir = log_dir
         self.processes: list[ManagedProcess] = []
         self.supervised: set[str] = set()
+        self.departed: set[str] = set()
+        self.on_departed: Callable[[str], None] | None = None  # told of each (the ready file is rewritten)
 
     def pids(self) -> dict[str, int]:
-        return {p.name: p.pid for p in self.processes}
+        return {p.name: p.pid for p in self.processes if p.name not in self.departed}
+
+    def depart(self, name: str) -> None:
+        """Let an ended process go: no longer reported dead, nor listed by pids()."""
+        self.departed.add(name)
+        if self.on_departed is not None:
+            self.on_departed(name)
 
     def get(self, name: str) -> ManagedProcess:
         return next(p for p in self.processes if p.name == name)
@@ -293,7 +302,12 @@ class ProcessSet:
 
     def first_dead(self) -> ManagedProcess | None:
         return next(
-            (p for p in list(self.processes) if p.name not in self.supervised and p.exit_code() is not None), None
+            (
+                p
+                for p in list(self.processes)
+                if p.name not in self.supervised and p.name not in self.departed and p.exit_code() is not None
+            ),
+            None,
         )
 
     def wait_ready(self, procs: list[ManagedProcess], timeout_s: float, poll_s: float = 0.5) -> None:

@@ -27,7 +27,7 @@ from kvtool.pair.profiles import ConnectorChoice
 class ReadyFile(BaseModel):
     model_config = ConfigDict(frozen=True, extra="ignore")
 
-    producer: str  # base URLs of the two vLLM servers
+    producer: str  # base URLs of the two vLLM servers (a fleet: both its router's)
     consumer: str
     model: str
     block_size: int
@@ -45,6 +45,10 @@ class ReadyFile(BaseModel):
     request_logs: dict[str, str] | None = None  # role -> the kvtool connector's per-request hit log
     pids: dict[str, int] = {}
     restarts: dict[str, int] = {}  # supervised process -> times serve-pair started it again
+    # A fleet (serve-pair --engines N): vLLM's router, its policy, and each engine serving now -> its URL.
+    router: str | None = None
+    router_policy: str | None = None
+    engines: dict[str, str] = {}
 
     def to_json(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
@@ -94,9 +98,13 @@ def ready_info(
 ) -> ReadyFile:
     """What the ready file holds (kvtool/pair/ready.py); rewritten whenever a supervised process gets a
     new pid."""
+    router = cfg.router_url
     return ReadyFile(
-        producer=cfg.base_url("producer"),
-        consumer=cfg.base_url("consumer"),
+        producer=router or cfg.base_url("producer"),  # a fleet is asked through its router
+        consumer=router or cfg.base_url("consumer"),
+        router=router,
+        router_policy=cfg.router_policy if cfg.is_fleet else None,
+        engines={name: cfg.base_url(name) for name in cfg.engine_names if name in pids} if cfg.is_fleet else {},
         master=cfg.master_address,
         admin=admin_url,
         master_pid=pids.get("master"),  # None when --master names a master kvtool does not run
@@ -110,7 +118,7 @@ def ready_info(
         store=cfg.store if cfg.uses_mooncake else None,
         store_address=f"{LOOPBACK}:{cfg.store_port}" if cfg.starts_store else None,
         log_dir=str(cfg.log_dir),
-        request_logs={role: str(request_log_path(cfg, role)) for role in ("producer", "consumer")}
+        request_logs={role: str(request_log_path(cfg, role)) for role in cfg.engine_names}
         if cfg.profile.hits_from == "request_log"
         else None,
         pids=pids,

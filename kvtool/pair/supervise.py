@@ -171,12 +171,18 @@ class Supervisor:
         self.trackers = {name: RestartTracker(policy, now) for name in labels}
         procs.supervised.update(labels)
 
+    def supervise(self, name: str, label: str) -> None:
+        """Watch one more process from now on (a fleet's router, started after the engines)."""
+        self.trackers[name] = RestartTracker(self.policy, self.clock())
+        self.procs.supervised.add(name)
+        self.labels[name] = label  # last: the watch thread's next round picks it up
+
     def restarts(self) -> dict[str, int]:
         return {name: tracker.restarts for name, tracker in self.trackers.items()}
 
     def tick(self) -> None:
         """One round of checks over every supervised process."""
-        for name in self.labels:
+        for name in list(self.labels):  # supervise() may add one meanwhile
             self._tick_one(name)
 
     def _tick_one(self, name: str) -> None:

@@ -78,12 +78,12 @@ _start_failures: dict[str, str] = {}
 
 @contextlib.contextmanager
 def running_pair(
-    workdir: Path, preset: str = "tiny", roles: str = "pd", extra_args: tuple[str, ...] = ()
+    workdir: Path, preset: str = "tiny", roles: str = "pd", extra_args: tuple[str, ...] = (), label: str | None = None
 ) -> Iterator[dict[str, Any]]:
     """A serve-pair on free ports for ``preset``'s generated model, until the block ends: its parsed
     ready file (kvtool/pair/ready.py), as first written, plus ``ready_file`` (serve-pair rewrites it when it
     restarts the master) and ``fault_control_file``."""
-    name = f"{preset}/{roles}"
+    name = label or f"{preset}/{roles}"
     if name in _start_failures:
         pytest.fail(f"serve-pair failed to start earlier in this session:\n{_start_failures[name]}", pytrace=False)
     ready_file = workdir / "ready.json"

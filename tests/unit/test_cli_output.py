@@ -187,7 +187,7 @@ def test_bench_quiet_prints_no_table_and_the_old_json_flag_is_output(tmp_path, f
 
 
 def test_bench_compare_json_holds_every_connector(tmp_path, fake_bench, monkeypatch):
-    monkeypatch.setattr("kvtool.commands.options.PairOptions.config", lambda self, **_: "launch-config")
+    monkeypatch.setattr("kvtool.commands.pairoptions.PairOptions.config", lambda self, **_: "launch-config")
     result = runner.invoke(app, ["bench", "--launch", "--compare", "kvtool,none", "--format", "json"])
     assert result.exit_code == 0, result.output
     assert set(json.loads(result.stdout)["connectors"]) == {"kvtool", "vllm-mooncake-store", "none"}

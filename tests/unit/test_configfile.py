@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from connector.config import parse_size
 from kvtool.cli import app
-from kvtool.commands.options import PairOptions
+from kvtool.commands.pairoptions import PairOptions
 from kvtool.configfile import KV_TRANSFER_FIELDS, check_config_file
 from kvtool.errors import UserError
 

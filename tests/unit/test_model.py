@@ -174,7 +174,7 @@ def test_current_copy_is_kept(generated: dict[str, Path]) -> None:
 def test_the_cost_model_judges_hits_on_the_bench_models_and_a_real_one(tmp_path, monkeypatch):
     """Off (every hit taken) on the test presets, whose prefill costs microseconds a token; on for the
     bench and long presets (about a millisecond a token) and for --model; the flag overrides either."""
-    from kvtool.commands.options import PairOptions
+    from kvtool.commands.pairoptions import PairOptions
     from kvtool.pair.engines import engine_argv
 
     monkeypatch.setattr("kvtool.model.ensure_default_model", lambda preset: tmp_path / preset)

@@ -244,6 +244,9 @@ def test_ready_info_content(tmp_path):
         },
         "pids": {"master": 1, "producer": 2, "consumer": 3},
         "restarts": {"master": 2},
+        "router": None,
+        "router_policy": None,
+        "engines": {},
     }
     ready = tmp_path / "ready.json"
     write_json_atomically(ready, info)
@@ -389,7 +392,7 @@ def test_a_fault_plan_reaches_the_connectors_through_their_config_only_when_a_te
 
 
 def test_a_mamba_preset_pair_gets_its_engine_flags_and_the_engines_block_size(tmp_path, monkeypatch):
-    from kvtool.commands.options import PairOptions
+    from kvtool.commands.pairoptions import PairOptions
 
     monkeypatch.setattr("kvtool.model.ensure_default_model", lambda preset: tmp_path / preset)
     cfg = PairOptions(model_preset="mamba", log_dir=tmp_path).config(report=lambda _: None)
@@ -408,7 +411,7 @@ def test_a_mamba_preset_pair_gets_its_engine_flags_and_the_engines_block_size(tm
 
 
 def test_plain_presets_add_no_engine_flags(tmp_path, monkeypatch):
-    from kvtool.commands.options import PairOptions
+    from kvtool.commands.pairoptions import PairOptions
 
     monkeypatch.setattr("kvtool.model.ensure_default_model", lambda preset: tmp_path / preset)
     for preset in ("tiny", "swa"):
@@ -419,7 +422,7 @@ def test_plain_presets_add_no_engine_flags(tmp_path, monkeypatch):
 
 
 def test_max_num_batched_tokens_sets_the_engines_prefill_chunk(tmp_path, monkeypatch):
-    from kvtool.commands.options import PairOptions
+    from kvtool.commands.pairoptions import PairOptions
 
     monkeypatch.setattr("kvtool.model.ensure_default_model", lambda preset: tmp_path / preset)
     cfg = PairOptions(model_preset="swa", log_dir=tmp_path, max_num_batched_tokens=64).config(report=lambda _: None)

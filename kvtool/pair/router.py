@@ -1,0 +1,71 @@
+"""vLLM's router in front of a fleet's engines: its binary, its command line, its health check.
+
+The router (PyPI ``vllm-router``, a Rust load balancer from the vLLM project; ``scripts/setup`` installs
+it) sends each request to one engine by its policy. kvtool starts it once every engine is healthy, so it
+never routes a request to an engine still starting, and supervises it like the master: restarted on
+its own ports when it dies or stops answering. It takes an engine that stops answering its health
+check out of the rotation (``HEALTH_INTERVAL_S`` times ``HEALTH_FAILURES``), and retries a request
+that could not reach an engine on another one.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+from kvtool.errors import UserError
+from kvtool.pair.config import ServePairConfig
+from kvtool.pair.procs import LOOPBACK, ReadinessCheck
+
+ROUTER_LABEL = "vLLM's router (vllm-router)"
+HEALTH_INTERVAL_S = 1  # the router's health checks of each engine
+HEALTH_FAILURES = 2  # failed in a row: the engine is out of the rotation until it passes again
+HEALTH_TIMEOUT_S = 5  # one check; a busy CPU engine answers /health within it
+
+
+def router_binary() -> str:
+    """The ``vllm-router`` launcher beside this Python (the venv's), else on PATH; a UserError otherwise."""
+    beside = Path(sys.executable).parent / "vllm-router"
+    if beside.is_file():
+        return str(beside)
+    found = shutil.which("vllm-router")
+    if found is None:
+        raise UserError(
+            "vllm-router is not installed, and a fleet (--engines) needs it; run scripts/setup, or "
+            "pip install vllm-router==0.1.17"
+        )
+    return found
+
+
+def router_argv(cfg: ServePairConfig, binary: str) -> list[str]:
+    """The router's command line: bound to 127.0.0.1, every engine a worker, the fleet's policy."""
+    workers = [f"http://{LOOPBACK}:{cfg.port(name)}" for name in cfg.engine_names]
+    return [
+        binary,
+        "--host",
+        LOOPBACK,
+        "--port",
+        str(cfg.router_port),
+        "--worker-urls",
+        *workers,
+        "--policy",
+        cfg.router_policy,
+        "--prometheus-host",
+        LOOPBACK,
+        "--prometheus-port",
+        str(cfg.router_metrics_port),
+        "--health-check-interval-secs",
+        str(HEALTH_INTERVAL_S),
+        "--health-failure-threshold",
+        str(HEALTH_FAILURES),
+        "--health-check-timeout-secs",
+        str(HEALTH_TIMEOUT_S),
+        "--log-level",
+        "warning",
+    ]
+
+
+def router_readiness(cfg: ServePairConfig) -> ReadinessCheck:
+    """The router answers ``/health`` once it serves (it checked its workers at start)."""
+    return ReadinessCheck(http_url=f"{cfg.router_url}/health")

@@ -1,0 +1,104 @@
+"""A fleet (serve-pair --engines 2): two kv_both engines of the tiny model behind vLLM's router, round
+robin. A session's second turn lands on the other engine and reuses the first turn's prompt and answer
+from the store, to the token, with the answer of a recomputation; an engine killed mid-run is taken out
+by the router and the fleet serves on, every answer still a recomputation's."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from kvtool import prometheus
+from kvtool.client import complete
+from kvtool.pair.procs import find_free_port
+from kvtool.pair.ready import read_ready_file
+from kvtool.store.admin import open_admin, wait_for_key
+from kvtool.verify import compare_answers
+
+from .conftest import running_pair
+from .pairtools import TOLERANCE, consume, hit_details, prompt
+
+pytestmark = pytest.mark.e2e
+
+ANSWER = 20  # generated tokens of turn 1: its answer ends inside a block
+EXTRA = {"return_tokens_as_token_ids": True, "return_token_ids": True, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    """serve-pair --engines 2 on free ports, a pointer at every token (--divergence-grid 1)."""
+    engine_ports = [find_free_port(), find_free_port()]
+    extra = ["--engines", "2", "--divergence-grid", "1"]
+    for port in engine_ports:
+        extra += ["--engine-port", str(port)]
+    extra += ["--router-port", str(find_free_port()), "--router-metrics-port", str(find_free_port())]
+    workdir = tmp_path_factory.mktemp("fleet-tiny")
+    with running_pair(workdir, "tiny", extra_args=tuple(extra), label="tiny/fleet") as info:
+        yield info
+
+
+def served(fleet: dict) -> dict[str, float]:
+    """Requests each engine has finished so far (vLLM's own counter)."""
+    counts = {}
+    for name, url in fleet["engines"].items():
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+        counts[name] = prometheus.total(text, "vllm:request_success_total") or 0.0
+    return counts
+
+
+def served_by(fleet: dict, before: dict[str, float], timeout_s: float = 30.0) -> str:
+    """The engine that finished the one request sent since ``before`` was read."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        grew = [name for name, count in served(fleet).items() if count > before[name]]
+        if grew:
+            assert len(grew) == 1, grew
+            return grew[0]
+        time.sleep(0.2)
+    raise AssertionError("no engine counted the request")
+
+
+def ask(fleet: dict, tokens: list[int], max_tokens: int) -> tuple[dict, str]:
+    """One request through the router, and the engine that served it."""
+    before = served(fleet)
+    answer = complete(fleet["router"], fleet["model"], tokens, max_tokens=max_tokens, logprobs=5, extra=EXTRA)
+    return answer, served_by(fleet, before)
+
+
+def test_turn_two_on_the_other_engine_reuses_turn_ones_prompt_and_answer_to_the_token(fleet):
+    turn1 = prompt(300, 50)
+    first, first_engine = ask(fleet, turn1, ANSWER)
+    saved = hit_details(first)
+    assert saved.answer_tokens == len(turn1) + ANSWER - 1  # prompt + answer but the last token (no KV)
+    assert wait_for_key(open_admin(fleet["admin"]), saved.answer_last_key, 60.0), saved.answer_last_key
+
+    generated = first["choices"][0]["token_ids"]
+    turn2 = turn1 + generated + prompt(301, 7)
+    second, second_engine = ask(fleet, turn2, 8)
+    assert second_engine != first_engine, "round robin sent both turns to one engine"
+    details = hit_details(second)
+    assert details.local_hit_tokens == 0, details  # the other engine never saw turn 1
+    assert details.external_hit_tokens == len(turn1) + ANSWER - 1, details
+    reference = complete(
+        fleet["router"], fleet["model"], turn2, max_tokens=8, logprobs=5, prompt_logprobs=1, extra=EXTRA
+    )
+    assert hit_details(reference).reused_tokens == 0
+    comparison = compare_answers(second, reference, TOLERANCE)
+    assert comparison.matches, comparison.reason
+
+
+def test_an_engine_killed_mid_run_is_taken_out_and_the_fleet_serves_on(fleet):
+    """Runs last in this module: it leaves the fleet one engine."""
+    os.killpg(fleet["pids"]["engine-1"], signal.SIGKILL)  # the engine and its engine core, at once
+    for seed in range(4):  # some reach the router before its health check takes the engine out
+        consume(fleet, prompt(310 + seed, 40) + prompt(320, 30), max_tokens=4)  # each a recomputation's
+    ready_file = fleet["ready_file"]
+    deadline = time.monotonic() + 60
+    while set(read_ready_file(ready_file).engines) != {"engine-0"} and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert set(read_ready_file(ready_file).engines) == {"engine-0"}  # serve-pair let it go, and serves on
