@@ -103,6 +103,7 @@ def _merge_stream(response: httpx.Response, started: float) -> dict[str, Any]:
     top_logprobs: list[Any] = []
     merged: dict[str, Any] = {}
     finish_reason = None
+    token_chunk_s: list[float] = []  # when each chunk that carried tokens arrived (for the ITL)
     for line in response.iter_lines():
         if not line.startswith("data:"):
             continue
@@ -118,8 +119,9 @@ def _merge_stream(response: httpx.Response, started: float) -> dict[str, Any]:
             if choice.get("index", 0) != 0:
                 continue
             # The first token, even one whose text is empty (a byte of an unfinished character).
-            if ttft is None and (choice.get("text") or (choice.get("logprobs") or {}).get("tokens")):
-                ttft = time.perf_counter() - started
+            if choice.get("text") or (choice.get("logprobs") or {}).get("tokens") or choice.get("token_ids"):
+                token_chunk_s.append(time.perf_counter() - started)
+                ttft = token_chunk_s[0]
             text.append(choice.get("text") or "")
             finish_reason = choice.get("finish_reason") or finish_reason
             if choice.get("logprobs"):
@@ -136,7 +138,11 @@ def _merge_stream(response: httpx.Response, started: float) -> dict[str, Any]:
         }
     merged["choices"] = [choice0]
     merged["chunks"] = chunks
-    merged["kvtool_timing"] = {"ttft_s": ttft if ttft is not None else total, "total_s": total}
+    merged["kvtool_timing"] = {
+        "ttft_s": ttft if ttft is not None else total,
+        "total_s": total,
+        "token_chunk_s": token_chunk_s,
+    }
     return merged
 
 

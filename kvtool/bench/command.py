@@ -15,6 +15,8 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from kvtool.commands.options import OutputOptions
+from kvtool.commands.pairoptions import PairOptions
 from kvtool.errors import UserError
 from kvtool.pair.launch import launched_pair
 from kvtool.pair.preflight import check_values
@@ -304,3 +306,32 @@ def provenance(repo: Path = REPO_ROOT) -> dict[str, Any]:
         "started_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
     }
+
+
+def replay(
+    config: BenchConfig,
+    output: OutputOptions,
+    pair_options: PairOptions,
+    ready_file: Path | None,
+    launch: bool,
+    compared: list[str] | None,
+    plot: Path | None,
+) -> None:
+    """``kvtool bench`` without ``--load``: check the inputs, replay on the pair (or each connector's),
+    print the report, write the plot; a failed run's error last."""
+    from kvtool.commands.output import emit
+
+    from .report import bench_report
+
+    check_bench_input(config, ready_file, launch, compared)
+    launch_cfg = pair_options.config(report=output.say) if launch else None
+    outcome = run_bench(config, output.say, ready_file, launch_cfg, compared, output.progress_console)
+    emit(bench_report(outcome.document), output)
+    if plot is not None:
+        from .plot import write_plot
+
+        write_plot(plot, outcome.reports)
+        output.say(f"wrote {plot}")
+    failure = outcome.failure_error()
+    if failure is not None:
+        raise failure

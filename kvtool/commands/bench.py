@@ -9,14 +9,20 @@ import typer
 
 from kvtool.commands.options import OutputOptions, with_options
 from kvtool.commands.pairoptions import PairOptions
-from kvtool.commands.output import check_writable, emit, user_errors_exit
+from kvtool.commands.output import check_writable, user_errors_exit
+from kvtool.bench.flags import WorkloadFlags
+from kvtool.load.options import LoadOptions
 
 
 @user_errors_exit
-@with_options(pair_options=PairOptions, output_options=OutputOptions)
+@with_options(
+    pair_options=PairOptions, output_options=OutputOptions, load_options=LoadOptions, workload_flags=WorkloadFlags
+)
 def bench_command(
     pair_options: PairOptions,
     output_options: OutputOptions,
+    load_options: LoadOptions,
+    workload_flags: WorkloadFlags,
     ready_file: Annotated[
         Path | None, typer.Option("--pair", help="ready file of a running kvtool serve-pair (its --ready-file)")
     ] = None,
@@ -48,12 +54,6 @@ def bench_command(
     ] = False,
     json_path: Annotated[Path | None, typer.Option("--json", help="old name of --output", hidden=True)] = None,
     plot: Annotated[Path | None, typer.Option("--plot", help="write a PNG: hits vs ideal, TTFT by connector")] = None,
-    trace_block_tokens: Annotated[int, typer.Option(help="tokens one 512-token trace block becomes")] = 16,
-    trace_start: Annotated[int, typer.Option(help="first trace line to replay (0-based)")] = 0,
-    trace_requests: Annotated[int | None, typer.Option(help="trace requests to replay \\[default: --requests]")] = None,
-    prefix_len: Annotated[int, typer.Option(help="prefix-repetition: tokens of each shared prefix")] = 80,
-    suffix_len: Annotated[int, typer.Option(help="prefix-repetition: tokens after the prefix")] = 24,
-    num_prefixes: Annotated[int, typer.Option(help="prefix-repetition: distinct prefixes")] = 2,
     quiet_s: Annotated[
         float,
         typer.Option(help="seconds from one request's end to the next one's start, durability wait included"),
@@ -64,31 +64,28 @@ def bench_command(
     Reports per workload and prompt-length bucket: prompt, ideal and hit tokens (block and tail), hit
     rate, efficiency (hit / ideal), consumer TTFT, and answers that differ from a recomputation.
     """
-    from kvtool.bench.command import check_bench_input, parse_compare, run_bench
+    from kvtool.bench.command import parse_compare, replay
     from kvtool.bench.config import BenchConfig
-    from kvtool.bench.report import bench_report
 
     # Every input is checked before a pair is read, reached or started.
     output = output_options.with_legacy_json_file(json_path)
     output.check()
     check_writable(plot, "--plot")
     compared = parse_compare(compare)
+    if load_options.load is not None:  # a load test: sessions in flight (kvtool/load/)
+        from kvtool.load.command import load_command
+
+        bench = {"max_tokens": max_tokens, "seed": seed, "tolerance": tolerance}
+        return load_command(load_options, output, pair_options, ready_file, launch, compared, **bench)
     config = BenchConfig.from_options(
-        workloads=tuple(workload or ("sub-block",)), requests=requests, max_tokens=max_tokens, seed=seed,
-        verify=verify, tolerance=tolerance, quiet_s=quiet_s, interleave=interleave,
-        trace_block_tokens=trace_block_tokens, trace_start=trace_start, trace_requests=trace_requests,
-        prefix_len=prefix_len, suffix_len=suffix_len, num_prefixes=num_prefixes,
-    )  # fmt: skip
-    check_bench_input(config, ready_file, launch, compared)
-    launch_cfg = pair_options.config(report=output.say) if launch else None
-
-    outcome = run_bench(config, output.say, ready_file, launch_cfg, compared, output.progress_console)
-    emit(bench_report(outcome.document), output)
-    if plot is not None:
-        from kvtool.bench.plot import write_plot
-
-        write_plot(plot, outcome.reports)
-        output.say(f"wrote {plot}")
-    failure = outcome.failure_error()
-    if failure is not None:
-        raise failure
+        workloads=tuple(workload or ("sub-block",)),
+        requests=requests,
+        max_tokens=max_tokens,
+        seed=seed,
+        verify=verify,
+        tolerance=tolerance,
+        quiet_s=quiet_s,
+        interleave=interleave,
+        **workload_flags.__dict__,
+    )
+    replay(config, output, pair_options, ready_file, launch, compared, plot)

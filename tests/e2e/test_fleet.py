@@ -5,8 +5,11 @@ by the router and the fleet serves on, every answer still a recomputation's."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
@@ -90,6 +93,46 @@ def test_turn_two_on_the_other_engine_reuses_turn_ones_prompt_and_answer_to_the_
     assert hit_details(reference).reused_tokens == 0
     comparison = compare_answers(second, reference, TOLERANCE)
     assert comparison.matches, comparison.reason
+
+
+def test_a_load_of_agent_sessions_through_the_router_completes_and_answers_exactly(fleet, tmp_path):
+    """kvtool bench --load: sessions in flight through the router, each turn the previous prompt, the
+    real answer and a tool result; every request answered, every sampled answer a recomputation's."""
+    out = tmp_path / "load.json"
+    argv = [
+        sys.executable,
+        "-m",
+        "kvtool.cli",
+        "bench",
+        "--pair",
+        fleet["ready_file"],
+        "--load",
+        "agentic",
+        "--sessions",
+        "3",
+        "--concurrency",
+        "2",
+        "--max-tokens",
+        "4",
+        "--think-s",
+        "0.2",
+        "--check-every",
+        "3",
+        "--format",
+        "json",
+        "--output",
+        str(out),
+        "--quiet",
+    ]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (result,) = json.loads(out.read_text())["results"]
+    summary = result["summary"]
+    assert summary["failed"] == 0 and summary["requests"] >= 6
+    assert result["checked"].get("matched", 0) >= 2 and not result["checked"].get("differed")
+    assert summary["ttft_ms"]["p99"] is not None and summary["output_throughput"] > 0
+    turns = {(r["session"], r["turn"]) for r in result["requests"]}
+    assert len(turns) == summary["requests"]  # each turn once, after its session's answer
 
 
 def test_an_engine_killed_mid_run_is_taken_out_and_the_fleet_serves_on(fleet):

@@ -1,0 +1,121 @@
+"""`kvtool bench --load agentic|chat`: a load test, sessions in flight, on a running pair or fleet
+(``--pair``), or on each connector's launched in turn (``--launch [--compare ...]``), with every figure
+side by side in one report (``kvtool.load.report``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kvtool.commands.options import OutputOptions
+from kvtool.commands.pairoptions import PairOptions
+from kvtool.errors import UserError
+from kvtool.pair.config import ServePairConfig
+from kvtool.pair.ready import ReadyFile, read_ready_file
+
+from .metrics import summarize
+from .options import LoadOptions, LoadResult
+from .runner import LoadRunner, LoadTarget
+from .sessions import LoadShape, plan_sessions
+
+
+def load_command(
+    options: LoadOptions,
+    output: OutputOptions,
+    pair_options: PairOptions,
+    ready_file: Path | None,
+    launch: bool,
+    compared: list[str] | None,
+    **bench: Any,
+) -> None:
+    """``kvtool bench --load``: check every input, run, print the report (``bench``: bench's
+    ``max_tokens``, ``seed`` and ``tolerance``)."""
+    from kvtool.commands.output import emit
+
+    from .report import load_report
+
+    options.check()
+    if (ready_file is None) == (not launch):
+        raise UserError("--load needs one pair: give --pair READY_FILE or --launch (not both)")
+    if compared and not launch:
+        raise UserError("--compare starts each connector's pair or fleet in turn: it needs --launch")
+    launch_cfg = pair_options.config(report=output.say) if launch else None
+    results = run_load(
+        options, say=output.say, ready_file=ready_file, launch_cfg=launch_cfg, compared=compared, **bench
+    )
+    config = {"load": options.__dict__, **bench, "pair": _portable(launch_cfg) if launch_cfg else None}
+    emit(load_report(results, options, config), output)
+    failed = sum(result.summary.failed for result in results)
+    differed = sum(result.run.checked.get("differed", 0) for result in results)
+    if failed or differed:
+        raise UserError(
+            f"{failed} request(s) failed and {differed} answer(s) differed from a recomputation", exit_code=1
+        )
+
+
+def _portable(cfg: ServePairConfig) -> dict[str, Any]:
+    """The launch configuration as a result file keeps it: no path of this machine (the model by its
+    directory's name)."""
+    kept = cfg.model_dump(mode="json", exclude={"log_dir", "ready_file", "fault_control_file"})
+    return {**kept, "model": cfg.model.name}
+
+
+def run_load(
+    options: LoadOptions,
+    *,
+    max_tokens: int,
+    seed: int,
+    tolerance: float,
+    say: Callable[[str], None],
+    ready_file: Path | None,
+    launch_cfg: ServePairConfig | None,
+    compared: list[str] | None,
+) -> list[LoadResult]:
+    """The load test on the pair or fleet of ``ready_file``, or on each connector's launched in turn."""
+    from kvtool.pair.launch import launched_pair
+
+    if ready_file is not None:
+        return [_measure(read_ready_file(ready_file), options, max_tokens, seed, tolerance, say)]
+    if launch_cfg is None:
+        raise UserError("--load needs a pair: give --pair READY_FILE or --launch")
+    results = []
+    for connector in compared or [launch_cfg.connector]:
+        cfg = launch_cfg.model_copy(update={"connector": connector})
+        say(f"{connector}: starting its {'fleet' if cfg.is_fleet else 'pair'}")
+        with launched_pair(cfg, say) as (info, _procs):
+            results.append(_measure(info, options, max_tokens, seed, tolerance, say))
+    return results
+
+
+def _measure(
+    info: ReadyFile, options: LoadOptions, max_tokens: int, seed: int, tolerance: float, say: Callable[[str], None]
+) -> LoadResult:
+    from kvtool.pair.smoke import model_vocab_size
+    from kvtool.store.admin import open_admin
+
+    target = LoadTarget(info.router or info.consumer, info.model, info.block_size, info.hash_unit)
+    shape = LoadShape(
+        workload=options.load,  # type: ignore[arg-type]  (checked: one of LOAD_WORKLOADS)
+        sessions=options.sessions,
+        block_size=info.block_size,
+        vocab_size=model_vocab_size(Path(info.model)),
+        max_prompt_tokens=info.max_model_len - max_tokens,
+        answer_tokens=max_tokens,
+        think_s=options.think_s,
+        session_rate=options.session_rate,
+        seed=seed,
+    )
+    plans = plan_sessions(shape)
+    say(
+        f"{info.connector}: {options.load} load, {len(plans)} sessions ({sum(len(p.turns) for p in plans)} requests), "
+        f"{options.concurrency} in flight, to {target.url}"
+    )
+    runner = LoadRunner(
+        target, options.concurrency, deadline_s=options.duration, check_every=options.check_every, tolerance=tolerance
+    )
+    run = runner.run(plans)
+    summary = summarize(run.records, options.slo_ttft_ms)
+    keys = open_admin(info.admin).key_count() if info.admin else None
+    fleet = {"engines": len(info.engines) or 2, "router": info.router, "router_policy": info.router_policy}
+    return LoadResult(info.connector, fleet, summary, run, keys)

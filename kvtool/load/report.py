@@ -1,0 +1,82 @@
+"""A load test's report: one row per connector, every figure side by side (``kvtool.report.Report``),
+and the JSON document with the configuration that produced it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvtool.report import Report, ReportTable
+
+from .options import LoadOptions, LoadResult
+
+COLUMNS = [
+    "connector",
+    "requests",
+    "failed",
+    "TTFT p50",
+    "TTFT p90",
+    "TTFT p99",
+    "TPOT p50",
+    "TPOT p99",
+    "ITL p50",
+    "ITL p99",
+    "req/s",
+    "out tok/s",
+    "goodput",
+    "reuse / ideal",
+    "answers checked",
+    "store keys",
+]
+
+
+def _row(result: LoadResult) -> dict[str, Any]:
+    summary = result.summary
+    checked = result.run.checked
+    reuse = summary.reuse_vs_ideal
+    return {
+        "connector": result.connector,
+        "requests": summary.requests,
+        "failed": summary.failed,
+        "TTFT p50": summary.ttft_ms["p50"],
+        "TTFT p90": summary.ttft_ms["p90"],
+        "TTFT p99": summary.ttft_ms["p99"],
+        "TPOT p50": summary.tpot_ms["p50"],
+        "TPOT p99": summary.tpot_ms["p99"],
+        "ITL p50": summary.itl_ms["p50"],
+        "ITL p99": summary.itl_ms["p99"],
+        "req/s": summary.request_throughput,
+        "out tok/s": summary.output_throughput,
+        "goodput": summary.goodput,
+        "reuse / ideal": None if reuse is None else round(reuse, 4),
+        "answers checked": f"{checked.get('matched', 0)} of {sum(checked.values())} matched",
+        "store keys": result.store_keys,
+    }
+
+
+def load_report(results: list[LoadResult], options: LoadOptions, config: dict[str, Any]) -> Report:
+    """The table (latencies in ms), and a payload with each connector's summary and the configuration."""
+    table = ReportTable(f"kvtool bench --load {options.load}", COLUMNS, [_row(result) for result in results])
+    notes = [
+        "TTFT, TPOT, ITL in ms by vLLM's definitions (kvtool/load/metrics.py); goodput: requests a second within "
+        f"the TTFT objective of {options.slo_ttft_ms:g} ms; reuse / ideal: tokens reused against what any "
+        "engine computed before each request was sent"
+    ]
+    for result in results:
+        notes += [f"{result.connector}: {difference}" for difference in result.run.differences[:3]]
+    payload = {
+        "what": "kvtool bench --load",
+        "configuration": config,
+        "results": [
+            {
+                "connector": result.connector,
+                "fleet": result.fleet,
+                "summary": {**result.summary.__dict__, "reuse_vs_ideal": result.summary.reuse_vs_ideal},
+                "checked": result.run.checked,
+                "differences": result.run.differences,
+                "store_keys": result.store_keys,
+                "requests": [record.__dict__ for record in result.run.records],
+            }
+            for result in results
+        ],
+    }
+    return Report([table], notes=notes, payload=payload)

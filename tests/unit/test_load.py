@@ -1,0 +1,168 @@
+"""`kvtool bench --load`: the sessions a load test plans, vLLM's metric definitions, and a run against
+a scripted server (pure logic; tests/e2e/test_fleet.py runs one on a fleet)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtool.errors import UserError
+from kvtool.load.options import LoadOptions
+from kvtool.load.metrics import RequestRecord, percentile, summarize
+from kvtool.load.runner import LoadRunner, LoadTarget
+from kvtool.load.sessions import LoadShape, plan_sessions
+
+BLOCK = 32
+
+
+def shape(**overrides) -> LoadShape:
+    values = dict(
+        workload="agentic",
+        sessions=6,
+        block_size=BLOCK,
+        vocab_size=500,
+        max_prompt_tokens=1000,
+        answer_tokens=8,
+        think_s=1.0,
+        session_rate=None,
+        seed=0,
+    )
+    return LoadShape(**{**values, **overrides})
+
+
+def test_agent_sessions_share_one_system_prompt_and_grow_by_answer_and_tool_result():
+    plans = plan_sessions(shape())
+    firsts = [plan.turns[0].message for plan in plans]
+    system = len(firsts[0]) - 1
+    while any(first[:system] != firsts[0][:system] for first in firsts):
+        system -= 1
+    assert system >= 1000 // 3 - 1  # the shared system-and-tools prompt
+    assert len({first[system:] for first in firsts}) == len(firsts)  # each its own task
+    for plan in plans:
+        assert plan.longest_prompt <= 1000 and len(plan.turns) >= 2
+        assert all(turn.think_s > 0 for turn in plan.turns[1:]) and plan.turns[0].think_s == 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), workload=st.sampled_from(["agentic", "chat"]), limit=st.integers(64, 3000))
+def test_no_session_passes_the_engines_limit_and_most_messages_end_mid_block(seed, workload, limit):
+    for plan in plan_sessions(shape(seed=seed, workload=workload, max_prompt_tokens=limit)):
+        assert plan.longest_prompt <= limit
+        assert all(turn.message for turn in plan.turns)
+
+
+def test_the_same_shape_gives_the_same_sessions_and_an_open_loop_spaces_their_arrivals():
+    assert plan_sessions(shape()) == plan_sessions(shape())
+    closed = plan_sessions(shape())
+    assert all(plan.start_s == 0 for plan in closed)
+    opened = plan_sessions(shape(session_rate=2.0, sessions=200))
+    starts = [plan.start_s for plan in opened]
+    assert starts == sorted(starts) and starts[0] == 0
+    assert 0.3 < (starts[-1] / (len(starts) - 1)) < 0.8  # about 1 / rate apart
+
+
+def test_percentiles_interpolate_like_numpy():
+    assert percentile([], 50) is None
+    assert percentile([3.0], 99) == 3.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([1.0, 2.0, 3.0, 4.0], 90) == pytest.approx(3.7)
+
+
+def test_tpot_itl_throughput_goodput_and_reuse_by_vllms_definitions():
+    records = [
+        RequestRecord(
+            0, 0, 0.0, 100, 5, ttft_s=0.5, e2e_s=0.9, itl_s=(0.1, 0.1, 0.1, 0.1), hit_tokens=0, ideal_tokens=0
+        ),
+        RequestRecord(0, 1, 1.0, 150, 1, ttft_s=1.5, e2e_s=1.5, hit_tokens=90, ideal_tokens=104),
+        RequestRecord(1, 0, 1.5, 80, 0, 0.0, 0.0, error="HTTP 500"),
+    ]
+    summary = summarize(records, slo_ttft_ms=1000.0)
+    assert (summary.requests, summary.failed) == (3, 1)
+    assert summary.duration_s == 2.5  # first send (0.0) to the last answer (1.0 + 1.5)
+    assert summary.tpot_ms["p50"] == 100.0  # (0.9 - 0.5) / 4; one-token answers have none
+    assert summary.itl_ms["p99"] == 100.0
+    assert summary.request_throughput == pytest.approx(0.8) and summary.output_throughput == pytest.approx(2.4)
+    assert summary.goodput == pytest.approx(0.4)  # one request within 1 s
+    assert summary.reuse_vs_ideal == pytest.approx(90 / 104)
+
+
+class ScriptedServer:
+    """Answers a streamed completion with ``max_tokens`` token ids, and a hit of everything it saw before."""
+
+    def __init__(self):
+        self.prompts: list[list[int]] = []
+        self.seen: list[tuple[int, ...]] = []
+
+    def __call__(self, url, model, prompt, max_tokens, **kwargs):
+        self.prompts.append(list(prompt))
+        if kwargs.get("prompt_logprobs"):
+            return self._answer(prompt, max_tokens, hit=0)
+        hit = max((n for seen in self.seen for n in [_common(seen, prompt)]), default=0)
+        self.seen.append(tuple(prompt))
+        return self._answer(prompt, max_tokens, hit=min(hit, len(prompt) - 1))
+
+    def _answer(self, prompt, max_tokens, hit):
+        answer = [7 + (sum(prompt) + n) % 50 for n in range(max_tokens)]
+        return {
+            "choices": [{"index": 0, "text": "x", "token_ids": answer, "logprobs": {"tokens": [], "top_logprobs": []}}],
+            "usage": {"prompt_tokens_details": {"cached_tokens": hit}},
+            "kvtool_timing": {"ttft_s": 0.01, "total_s": 0.02, "token_chunk_s": [0.01, 0.015, 0.02]},
+        }
+
+
+def _common(a, b) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def test_a_run_sends_each_turn_after_its_answer_and_measures_reuse_against_the_ideal(monkeypatch):
+    server = ScriptedServer()
+    monkeypatch.setattr("kvtool.load.runner.complete", server)
+    monkeypatch.setattr("kvtool.load.runner.compare_answers", lambda a, b, t: type("C", (), {"matches": True})())
+    plans = plan_sessions(shape(think_s=0.0, sessions=3, max_prompt_tokens=600))
+    runner = LoadRunner(LoadTarget("http://r", "m", BLOCK, 1), 2, deadline_s=60, check_every=2, sleep=lambda s: None)
+    run = runner.run(plans)
+    assert len(run.records) == sum(len(plan.turns) for plan in plans)
+    by_session: dict[int, list] = {}
+    for record in run.records:
+        by_session.setdefault(record.session, []).append(record)
+    for plan in plans:
+        records = sorted(by_session[plan.index], key=lambda r: r.turn)
+        for earlier, later in zip(records, records[1:], strict=False):
+            # A next turn is the previous prompt and answer and its message: all of it but the answer's
+            # last token was computed before it was sent.
+            assert later.ideal_tokens >= earlier.prompt_tokens + earlier.output_tokens - 1
+    assert all(r.itl_s == pytest.approx((0.005, 0.005)) for r in run.records)
+    assert run.checked == {"matched": len(run.records) // 2}
+
+
+def test_a_failed_request_ends_its_session_not_the_run(monkeypatch):
+    from kvtool.errors import ServerError
+
+    def failing(url, model, prompt, max_tokens, **kwargs):
+        raise ServerError("the router answered HTTP 503")
+
+    monkeypatch.setattr("kvtool.load.runner.complete", failing)
+    plans = plan_sessions(shape(sessions=2))
+    run = LoadRunner(LoadTarget("http://r", "m", BLOCK, 1), 2, deadline_s=60, sleep=lambda s: None).run(plans)
+    assert len(run.records) == 2 and all(r.error and "503" in r.error for r in run.records)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "says"),
+    [
+        ({"load": "batch"}, "--load 'batch' is not one of: agentic, chat"),
+        ({"sessions": 0}, "--sessions 0 must be at least 1"),
+        ({"concurrency": 0}, "--concurrency 0 must be at least 1"),
+        ({"think_s": -1.0}, "--think-s -1 must be 0 or more"),
+        ({"session_rate": 0.0}, "--session-rate 0 must be more than 0"),
+        ({"duration": 0.0}, "--duration 0 must be more than 0"),
+    ],
+)
+def test_bad_load_flags_are_one_sentence_naming_the_flag(overrides, says):
+    with pytest.raises(UserError) as raised:
+        LoadOptions(**{"load": "agentic", **overrides}).check()
+    assert says in raised.value.message
