@@ -81,7 +81,7 @@ def run_load(
         raise UserError("--load needs a pair: give --pair READY_FILE or --launch")
     results = []
     for connector in compared or [launch_cfg.connector]:
-        cfg = launch_cfg.model_copy(update={"connector": connector})
+        cfg = launch_cfg.model_copy(update={"connector": connector, "log_dir": launch_cfg.log_dir / connector})
         say(f"{connector}: starting its {'fleet' if cfg.is_fleet else 'pair'}")
         with launched_pair(cfg, say) as (info, _procs):
             results.append(_measure(info, options, max_tokens, seed, tolerance, say))

@@ -19,6 +19,7 @@ from kvtool.pair.engines import engine_argv, engine_env
 from kvtool.pair.preflight import preflight
 from kvtool.pair.procs import LOOPBACK, ManagedProcess, ProcessDied, ProcessSet, ReadinessCheck
 from kvtool.pair.ready import ReadyFile, ReadyFileWriter, admin_url_for, ready_info
+from kvtool.pair.warmup import warm_fleet
 from kvtool.pair.router import ROUTER_LABEL, router_argv, router_binary, router_readiness
 from kvtool.store.mooncake import (
     find_binary,
@@ -158,6 +159,7 @@ def launched_pair(
             start_engines(cfg, procs, say)
             if cfg.is_fleet:
                 assert supervisor is not None
+                warm_fleet(cfg, say)  # no user request meets a first-transfer stall
                 start_router(cfg, procs, say)
                 supervisor.supervise("router", ROUTER_LABEL)
 

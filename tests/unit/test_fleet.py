@@ -133,3 +133,63 @@ def test_serve_pair_says_a_fleet_without_the_router_installed_in_one_sentence(tm
 
     with pytest.raises(UserError, match="vllm-router is not installed"):
         router_binary()
+
+
+class ScriptedEngines:
+    """Answers a fleet warm-up's requests: a save (its watermark key), or a load that goes through once
+    the (saver, loader) pair's first transfer is done (``stalls`` failed loads first)."""
+
+    def __init__(self, cfg, stalls: dict[tuple[str, str], int]):
+        self.by_url = {cfg.base_url(name): name for name in cfg.engine_names}
+        self.stalls = dict(stalls)
+        self.saved: dict[tuple[int, ...], str] = {}
+
+    def __call__(self, url, tokens):
+        from connector.hits import HitDetails
+
+        engine = self.by_url[url]
+        saver = self.saved.get(tuple(tokens[:-1]))
+        if saver is None:
+            self.saved[tuple(tokens)] = engine
+            return HitDetails(prompt_tokens=len(tokens), lookup="miss", watermark_key=f"w/{len(self.saved)}")
+        if self.stalls.get((saver, engine), 0) > 0:
+            self.stalls[(saver, engine)] -= 1
+            return HitDetails(prompt_tokens=len(tokens), lookup="load failed: timeout", load_failure="timeout")
+        return HitDetails(prompt_tokens=len(tokens), lookup="hit", external_hit_tokens=len(tokens) - 1)
+
+
+def _warmable(tmp_path, monkeypatch):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text('{"vocab_size": 100}')
+    monkeypatch.setattr("kvtool.pair.warmup.wait_for_key", lambda admin, key, timeout_s: True)
+    return fleet(tmp_path)
+
+
+def test_the_warm_up_goes_on_until_every_engine_loaded_what_every_other_saved(tmp_path, monkeypatch):
+    from kvtool.pair.warmup import warm_fleet
+
+    cfg, said = _warmable(tmp_path, monkeypatch), []
+    engines = ScriptedEngines(cfg, {("engine-0", "engine-2"): 2, ("engine-1", "engine-0"): 1})
+    assert warm_fleet(cfg, said.append, ask=engines) == set()
+    assert not any(engines.stalls.values()) and said[-1].startswith("fleet warm")
+
+
+def test_a_pair_still_cold_at_the_deadline_is_said_and_the_fleet_serves_anyway(tmp_path, monkeypatch):
+    from kvtool.pair import warmup
+
+    cfg, said = _warmable(tmp_path, monkeypatch), []
+    clock = iter(range(0, 10_000, 60))
+    monkeypatch.setattr(warmup.time, "monotonic", lambda: next(clock))
+    engines = ScriptedEngines(cfg, {("engine-2", "engine-1"): 10_000})
+    assert warmup.warm_fleet(cfg, said.append, ask=engines) == {("engine-2", "engine-1")}
+    assert "engine-1 from engine-2" in said[-1] and "serving anyway" in said[-1]
+
+
+def test_only_a_kvtool_fleet_is_warmed_up(tmp_path, monkeypatch):
+    from kvtool.pair.warmup import warm_fleet
+
+    def never(url, tokens):
+        raise AssertionError("no request expected")
+
+    assert warm_fleet(make_config(tmp_path), print, ask=never) == set()  # a pair
+    assert warm_fleet(fleet(tmp_path, connector="none"), print, ask=never) == set()
