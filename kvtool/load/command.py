@@ -12,6 +12,7 @@ from kvtool.commands.options import OutputOptions
 from kvtool.commands.pairoptions import PairOptions
 from kvtool.errors import UserError
 from kvtool.pair.config import ServePairConfig
+from kvtool.pair.profiles import profile
 from kvtool.pair.ready import ReadyFile, read_ready_file
 
 from .metrics import summarize
@@ -31,6 +32,7 @@ def load_command(
 ) -> None:
     """``kvtool bench --load``: check every input, run, print the report (``bench``: bench's
     ``max_tokens``, ``seed`` and ``tolerance``)."""
+    from kvtool.bench.command import provenance
     from kvtool.commands.output import emit
 
     from .report import load_report
@@ -41,10 +43,11 @@ def load_command(
     if compared and not launch:
         raise UserError("--compare starts each connector's pair or fleet in turn: it needs --launch")
     launch_cfg = pair_options.config(report=output.say) if launch else None
+    measured = provenance()  # the commit and the cores, when the run starts
     results = run_load(
         options, say=output.say, ready_file=ready_file, launch_cfg=launch_cfg, compared=compared, **bench
     )
-    config = {"load": options.__dict__, **bench, "pair": _portable(launch_cfg) if launch_cfg else None}
+    config = {**measured, "load": options.__dict__, **bench, "pair": _portable(launch_cfg) if launch_cfg else None}
     emit(load_report(results, options, config), output)
     failed = sum(result.summary.failed for result in results)
     differed = sum(result.run.checked.get("differed", 0) for result in results)
@@ -81,7 +84,9 @@ def run_load(
         raise UserError("--load needs a pair: give --pair READY_FILE or --launch")
     results = []
     for connector in compared or [launch_cfg.connector]:
-        cfg = launch_cfg.model_copy(update={"connector": connector, "log_dir": launch_cfg.log_dir / connector})
+        store = launch_cfg.store if profile(connector).uses_store else "embedded"  # none lends and holds nothing
+        update = {"connector": connector, "log_dir": launch_cfg.log_dir / connector, "store": store}
+        cfg = launch_cfg.model_copy(update=update)
         say(f"{connector}: starting its {'fleet' if cfg.is_fleet else 'pair'}")
         with launched_pair(cfg, say) as (info, _procs):
             results.append(_measure(info, options, max_tokens, seed, tolerance, say))

@@ -193,3 +193,12 @@ def test_only_a_kvtool_fleet_is_warmed_up(tmp_path, monkeypatch):
 
     assert warm_fleet(make_config(tmp_path), print, ask=never) == set()  # a pair
     assert warm_fleet(fleet(tmp_path, connector="none"), print, ask=never) == set()
+
+
+def test_a_fleet_defaults_to_a_standalone_store_and_the_pair_to_the_engines_segments():
+    from kvtool.commands.pairoptions import PairOptions
+
+    assert PairOptions().chosen_store == "embedded"
+    assert PairOptions(engines=3).chosen_store == "standalone"  # no engine serves the others' transfers
+    assert PairOptions(engines=3, connector="none").chosen_store == "embedded"  # none holds nothing
+    assert PairOptions(engines=3, store="embedded").chosen_store == "embedded"  # what is given wins
