@@ -36,7 +36,8 @@ EXTRA = {"return_tokens_as_token_ids": True, "return_token_ids": True, "ignore_e
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     """serve-pair --engines 2 on free ports, a pointer at every token (--divergence-grid 1)."""
     engine_ports = [find_free_port(), find_free_port()]
-    extra = ["--engines", "2", "--divergence-grid", "1"]
+    # The fleet's default store (a standalone mooncake_client): the engines transfer with it only.
+    extra = ["--engines", "2", "--divergence-grid", "1", "--store", "standalone"]
     for port in engine_ports:
         extra += ["--engine-port", str(port)]
     extra += ["--router-port", str(find_free_port()), "--router-metrics-port", str(find_free_port())]
@@ -74,17 +75,21 @@ def ask(fleet: dict, tokens: list[int], max_tokens: int) -> tuple[dict, str]:
 
 
 def test_turn_two_on_the_other_engine_reuses_turn_ones_prompt_and_answer_to_the_token(fleet):
-    turn1 = prompt(300, 50)
-    first, first_engine = ask(fleet, turn1, ANSWER)
-    saved = hit_details(first)
-    assert saved.answer_tokens == len(turn1) + ANSWER - 1  # prompt + answer but the last token (no KV)
-    assert wait_for_key(open_admin(fleet["admin"]), saved.answer_last_key, 60.0), saved.answer_last_key
-
-    generated = first["choices"][0]["token_ids"]
-    turn2 = turn1 + generated + prompt(301, 7)
-    second, second_engine = ask(fleet, turn2, 8)
+    # A session of its own per try: a load that meets Mooncake's first-transfer stall (README, known
+    # issues; serve-pair's warm-up makes it rare) fails closed, a miss, and the next session tries again.
+    for attempt in range(3):
+        turn1 = prompt(300 + 10 * attempt, 50)
+        first, first_engine = ask(fleet, turn1, ANSWER)
+        saved = hit_details(first)
+        assert saved.answer_tokens == len(turn1) + ANSWER - 1  # prompt + answer but the last token (no KV)
+        assert wait_for_key(open_admin(fleet["admin"]), saved.answer_last_key, 60.0), saved.answer_last_key
+        generated = first["choices"][0]["token_ids"]
+        turn2 = turn1 + generated + prompt(301 + 10 * attempt, 7)
+        second, second_engine = ask(fleet, turn2, 8)
+        details = hit_details(second)
+        if details.load_failure is None:
+            break
     assert second_engine != first_engine, "round robin sent both turns to one engine"
-    details = hit_details(second)
     assert details.local_hit_tokens == 0, details  # the other engine never saw turn 1
     assert details.external_hit_tokens == len(turn1) + ANSWER - 1, details
     reference = complete(
@@ -139,7 +144,7 @@ def test_an_engine_killed_mid_run_is_taken_out_and_the_fleet_serves_on(fleet):
     """Runs last in this module: it leaves the fleet one engine."""
     os.killpg(fleet["pids"]["engine-1"], signal.SIGKILL)  # the engine and its engine core, at once
     for seed in range(4):  # some reach the router before its health check takes the engine out
-        consume(fleet, prompt(310 + seed, 40) + prompt(320, 30), max_tokens=4)  # each a recomputation's
+        consume(fleet, prompt(340 + seed, 40) + prompt(350, 30), max_tokens=4)  # each a recomputation's
     ready_file = fleet["ready_file"]
     deadline = time.monotonic() + 60
     while set(read_ready_file(ready_file).engines) != {"engine-0"} and time.monotonic() < deadline:
