@@ -92,6 +92,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=3, help="batches per concurrency")
     parser.add_argument("--pause-s", type=float, default=0.5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--connectors", default=",".join(CONNECTORS), help="the pairs, in the order they run")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     rng = random.Random(args.seed)
@@ -99,7 +100,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kvtool-concurrent-miss-") as tmp:
         for block in args.blocks.split(","):
             runs = {}
-            for connector in CONNECTORS:
+            for connector in args.connectors.split(","):
                 workdir = Path(tmp) / f"{connector}-{block}"
                 workdir.mkdir()
                 pair, info = launch(connector, workdir, ("--block-size", block))
