@@ -52,7 +52,6 @@ class SchedulerSide:
         mm_named_by_content: bool = True,  # ``tracking.KeySpace``
     ):
         self._config = config
-        self._breaker = breaker  # open: the store is failing, no step waits for a lookup
         self._namespace = namespace.key_component()
         self._block_size = namespace.block_size
         self._groups = groups or single_group(namespace.block_size)

@@ -23,12 +23,11 @@ from kvtool.client import complete
 from kvtool.errors import ServerError
 from kvtool.pair.config import ServePairConfig
 from kvtool.pair.ready import admin_url_for
-from kvtool.pair.smoke import model_vocab_size
+from kvtool.pair.smoke import FIRST_TOKEN_ID, model_vocab_size
 from kvtool.store.admin import open_admin, wait_for_key
 
 WARMUP_TIMEOUT_S = 180.0
 BLOCKS = 4  # a warm-up prompt's whole blocks (it also ends mid-block: a tail object too)
-FIRST_TOKEN_ID = 3
 
 Ask = Callable[[str, list[int]], HitDetails | None]
 
