@@ -270,9 +270,15 @@ class PromptKeys:
     def _inner_refs_at(self, ends: Sequence[int], group: int) -> list[ObjectRef]:
         """``_inner_refs`` of each of ``ends`` (none block-aligned), built in one pass: at hash unit 1 a
         lookup asks for a whole block's tails (255 at block 256), and one by one that was most of its CPU."""
+        missing: dict[int, list[int]] = {}  # block -> the ends not hashed yet, each block's at once
         for end in ends:
             if end not in self._tails:
-                self.tail_hash(end)  # every end its block may be asked about, hashed at once
+                missing.setdefault(end // self.block_size, []).append(end)
+        for block, unhashed in missing.items():
+            parent = self.parent_of_block(block)
+            self._tails.update(
+                zip(unhashed, tail_hashes(self.tokens, unhashed, self.block_size, parent, self._packed), strict=True)
+            )
         tails = [end for end in ends if end % self.hash_unit == 0]
         pointers = [end for end in ends if self.grid and (end % self.grid == 0 or self.is_lead(end))]
         return self._refs_of(KeyKind.TAIL, tails, group) + self._refs_of(KeyKind.POINTER, pointers, group)

@@ -18,49 +18,11 @@ from .hashing import block_hashes, tail_hash
 from .keys import KeyKind, decode_key, object_key
 from .objects import ObjectRejected, PointerRecord, verify_pointer
 from .prefix import ObjectRef, PromptKeys, plan_save
+from .probes import all_full, block_sentinels, first_block_probes, first_block_sentinels, past_pointer_ends, sparse
 
 ExistsFn = Callable[[list[str]], list[bool]]
 ReadFn = Callable[[list[str]], list["bytes | None"]]  # small objects (pointer records) by key
 POINTER_ROUNDS = 2  # at most this many (read, exists) rounds settle a lookup's pointers
-# The first query asks for the first block's candidate ends too, for the batch's first prompts while
-# their count (ends times cache groups) stays within this many (a few dozen keys, hashed and asked, cost
-# less than a second round trip): at block 32 and hash unit 1, one group, 31 ends, so a batch of one or
-# two new requests; never the 255 ends of block 256. In a larger batch a second query is likely anyway
-# (any prompt leaving a stored one inside a later block needs it), and every prompt's first-block keys
-# cost hashing and asking for nothing where its first block is stored (a hit or a longer miss).
-FIRST_BLOCK_PROBE_MAX = 64
-
-
-def _first_block_probes(prompts: Sequence[PromptKeys]) -> list[bool]:
-    """Which prompts' first query asks for their first block's candidates (``FIRST_BLOCK_PROBE_MAX``)."""
-    budget, chosen = FIRST_BLOCK_PROBE_MAX, []
-    for keys in prompts:
-        if not budget:
-            chosen.append(False)  # its candidates are not even listed: most of a batch's prompts
-            continue
-        cost = len(keys.inner_candidates(0)) * len(keys.groups)
-        chosen.append(cost <= budget)
-        budget -= cost if cost <= budget else 0
-    return chosen
-
-
-def first_block_sentinels(keys: PromptKeys) -> list[int] | None:
-    """The few ends inside the prompt's first block whose keys tell whether anything stored there
-    shares a prefix with it: its tail boundaries up to the block's first pointer, and that pointer.
-    Every stored tail or block longer than that pointer's end has the pointer (a save puts one at each
-    grid point strictly inside an object, and at its first token with lead pointers), keyed by the
-    prefix it shares; so where none of these keys and no first block is stored, the prompt is a miss
-    in one query, however many candidate ends its first block has (255 at block 256). None where no
-    pointer stands inside the first block (no grid, a grid as wide as the block, only state groups):
-    then only every candidate answers. A pointer lost (a failed put, evicted before its object) costs
-    a hit, never a wrong one: what a lookup finds is still checked end to end."""
-    if not keys.grid or all(group.kind is GroupKind.STATE for group in keys.groups):
-        return None
-    pointers = keys.pointer_ends(0, keys.block_size - 1)
-    if not pointers:
-        return None
-    first_pointer = pointers[0]
-    return [end for end in keys.inner_candidates(0) if end <= first_pointer]
 
 
 def _nothing_in_first_block(keys: PromptKeys, found: frozenset[str]) -> bool:
@@ -118,25 +80,24 @@ def _ask(exists: ExistsFn, refs_per_prompt: list[list[ObjectRef]]) -> list[froze
     return [frozenset(ref.key for ref in refs if ref.key in found) for refs in refs_per_prompt]
 
 
-def _first_round_ends(keys: PromptKeys, first_block: bool) -> list[int]:
-    """Candidate ends asked about first: every block boundary, the tail boundaries of the prompt's
-    last block, and with ``first_block`` those of its first block (``_first_block_probes``). With the
-    first block's, a prompt extending a stored sub-block one is answered by this query alone; where a
-    block has many (255 at block 256 and hash unit 1), hashing and asking them for every prompt, block
-    0 stored or not, costs more than the round trip saved: its few sentinels are asked instead
-    (``first_block_sentinels``), which answer a miss (the commonest lookup) in this query alone."""
+def _first_round_ends(keys: PromptKeys, first_block: bool, can_read: bool) -> tuple[list[int], set[int]]:
+    """Candidate ends asked about first, and the blocks among them asked by their sentinels
+    (``probes.sparse``): every block boundary, the ends inside the prompt's last block, and with
+    ``first_block`` every candidate of its first block (``probes.first_block_probes``). Without it,
+    where the first block has many candidates (255 at block 256 and hash unit 1), hashing and asking
+    them for every prompt, block 0 stored or not, costs more than the round trip saved: its sentinels
+    are asked instead, which answer a miss (the commonest lookup) in this query alone."""
     ends = {(i + 1) * keys.block_size for i in range(keys.num_full_blocks)}
-    ends.update(keys.inner_candidates(len(keys.tokens) // keys.block_size))
+    last = len(keys.tokens) // keys.block_size
+    sparse_blocks = {block for block in {0, last} if sparse(keys, block, can_read)}
+    ends.update(block_sentinels(keys, last) if last in sparse_blocks else keys.inner_candidates(last))
     if first_block:
         ends.update(keys.inner_candidates(0))
+    elif 0 in sparse_blocks:
+        ends.update(block_sentinels(keys, 0))  # its pointers too: no second query for it
     else:
         ends.update(first_block_sentinels(keys) or ())  # a handful: a miss ends with this query
-    return sorted(ends)
-
-
-def _all_full(keys: PromptKeys) -> bool:
-    """Every cache group keeps every block (no state, no window): a stored block serves its end."""
-    return all(group.kind is GroupKind.FULL for group in keys.groups)
+    return sorted(ends), sparse_blocks
 
 
 def _plain_hit(keys: PromptKeys, ends: Sequence[int], found: frozenset[str]) -> int:
@@ -178,24 +139,32 @@ def find_stored_prefixes(
     the exact common prefix (``_extend``; from a block boundary, only by ``extend_min_tokens`` or
     more: the config's ``extend_min_tokens``).
     """
-    probed = _first_block_probes(prompts)
-    first_ends = [_first_round_ends(keys, first) for keys, first in zip(prompts, probed, strict=True)]
+    can_read = read is not None
+    probed = first_block_probes(prompts)
+    first = [_first_round_ends(keys, whole, can_read) for keys, whole in zip(prompts, probed, strict=True)]
+    first_ends = [ends for ends, _ in first]
     present = _ask(exists, [keys.probe_refs(ends, blocks=True) for keys, ends in zip(prompts, first_ends, strict=True)])
 
     inner_ends: list[list[int]] = []
-    for keys, ends, found, first in zip(prompts, first_ends, present, probed, strict=True):
-        length = len(keys.tokens)
+    sparse_at: list[int | None] = []  # the block where the stored chain stops, where asked by its sentinels
+    for keys, (ends, sparse_blocks), found, whole in zip(prompts, first, present, probed, strict=True):
         block = _chain_blocks(keys, ends, found)
-        asked = block == length // keys.block_size or (block == 0 and (first or _nothing_in_first_block(keys, found)))
-        inner = [] if asked else keys.inner_candidates(block)
-        if block and not first and not _all_full(keys) and _plain_hit(keys, ends, found) < keys.block_size:
+        asked = block == len(keys.tokens) // keys.block_size or (
+            block == 0 and (whole or 0 in sparse_blocks or _nothing_in_first_block(keys, found))
+        )
+        if not asked and sparse(keys, block, can_read):
+            sparse_blocks = {block}
+        inner = (
+            [] if asked else block_sentinels(keys, block) if block in sparse_blocks else keys.inner_candidates(block)
+        )
+        if block and not whole and not all_full(keys) and _plain_hit(keys, ends, found) < keys.block_size:
             # Alone, its first query would have asked the first block's ends: where another group (a
             # state, a window) leaves no hit of a whole block or more, a hit may lie inside the first.
             inner = sorted({*inner, *keys.inner_candidates(0)})
         inner_ends.append(inner)
+        sparse_at.append(block if block in sparse_blocks else None)
     second_refs = [keys.probe_refs(ends, blocks=False) for keys, ends in zip(prompts, inner_ends, strict=True)]
-    asked_twice = any(second_refs)
-    more = _ask(exists, second_refs) if asked_twice else [frozenset() for _ in prompts]
+    more = _ask(exists, second_refs) if any(second_refs) else [frozenset() for _ in prompts]
 
     candidates = [
         sorted({*ends, *inner, len(keys.tokens), len(keys.tokens) - 1})
@@ -203,14 +172,17 @@ def find_stored_prefixes(
     ]
     known = [found | found_inner for found, found_inner in zip(present, more, strict=True)]
     settled = [_Settled() for _ in prompts]
-    rounds = _settle_pointers(prompts, candidates, known, settled, exists, read) if read is not None else 0
+    calls = 0
+    if read is not None:
+        lookup = _Lookup(prompts, candidates, known, settled, sparse_at)
+        calls = _settle_pointers(lookup, exists, read)
     results = []
     for keys, ends, found, pointers, inner in zip(prompts, candidates, known, settled, inner_ends, strict=True):
         tokens, hit = _longest(keys, ends, found)
         extended: dict[int, ObjectRef] = {}
         if read is not None and not pointers.unread:
             tokens, hit, extended = _extend(keys, (tokens, hit), found, pointers, extend_min_tokens)
-        queries = (2 if inner else 1) + 2 * rounds
+        queries = (2 if inner else 1) + calls
         results.append(StoredPrefix(
             keys.block_size, tokens, hit, found, queries, pointers.targets, pointers.unread, extended
         ))  # fmt: skip
@@ -253,36 +225,71 @@ def _wanted(keys: PromptKeys, hit: int, known: frozenset[str], settled: _Settled
     return list(wanted.values())
 
 
-def _settle_pointers(
-    prompts: Sequence[PromptKeys],
-    candidates: list[list[int]],
-    known: list[frozenset[str]],
-    settled: list[_Settled],
-    exists: ExistsFn,
-    read: ReadFn,
-) -> int:
+@dataclass
+class _Lookup:
+    """A batch's lookup state between its queries: per prompt, the ends it asked about, the keys found
+    stored, its pointers read, and the block where its stored chain stops where that block was asked
+    by its sentinels (``probes.block_sentinels``; its tails past the last pointer found are asked
+    with the first pointer round)."""
+
+    prompts: Sequence[PromptKeys]
+    candidates: list[list[int]]
+    known: list[frozenset[str]]
+    settled: list[_Settled]
+    sparse_at: list[int | None]
+
+    def past_pointers(self) -> list[list[ObjectRef]]:
+        """Each prompt's tails past the last pointer found in its sparse block (``past_pointer_ends``),
+        added to its candidates."""
+        refs = []
+        for index, (keys, block) in enumerate(zip(self.prompts, self.sparse_at, strict=True)):
+            ends = [] if block is None else past_pointer_ends(keys, block, self.known[index], self.candidates[index])
+            if ends:  # only past what is found already (a repeated prompt: its own tail)
+                reached = _longest(keys, self.candidates[index], self.known[index])[0]
+                ends = [end for end in ends if end > reached]
+            self.candidates[index] = sorted({*self.candidates[index], *ends}) if ends else self.candidates[index]
+            refs.append(keys.probe_refs(ends, blocks=False))
+        return refs
+
+    def add_found(self, refs: list[list[ObjectRef]], found: set[str]) -> None:
+        for index, asked in enumerate(refs):
+            self.known[index] = self.known[index] | {ref.key for ref in asked if ref.key in found}
+
+
+def _settle_pointers(lookup: _Lookup, exists: ExistsFn, read: ReadFn) -> int:
     """Read the pointers each prompt's hit relies on or may be extended by, and check that the objects
     they name are stored; a pointer that is unreadable, bad, or names a missing object (evicted:
     pointers are small and may outlive it) is dropped, and the hit falls back to what else is stored.
-    Returns the rounds taken. Updates ``known`` (drops bad pointers) and ``settled`` in place."""
-    for rounds in range(1, POINTER_ROUNDS + 1):
+    The first round's existence query asks the tails past the pointers found in sparse blocks too.
+    Returns the store calls made. Updates ``lookup.known`` (drops bad pointers, adds the tails found),
+    ``lookup.candidates`` and ``lookup.settled`` in place."""
+    prompts, known, settled = lookup.prompts, lookup.known, lookup.settled
+    extra = lookup.past_pointers()
+    extra_keys = list(dict.fromkeys(ref.key for refs in extra for ref in refs))
+    calls = 0
+    for _ in range(POINTER_ROUNDS):
         asked: list[tuple[int, ObjectRef]] = []
-        for index, (keys, ends) in enumerate(zip(prompts, candidates, strict=True)):
+        for index, (keys, ends) in enumerate(zip(prompts, lookup.candidates, strict=True)):
             hit = _longest(keys, ends, known[index])[1]
             asked += [(index, ref) for ref in _wanted(keys, hit, known[index], settled[index])]
-        if not asked:
-            return rounds - 1
+        if not asked and not extra_keys:
+            break
         try:
-            records = read([ref.key for _, ref in asked])
+            calls += bool(asked)
+            records = read([ref.key for _, ref in asked]) if asked else []
             named = [
                 _named(prompts[index], ref, record) if record else None
                 for (index, ref), record in zip(asked, records, strict=True)
             ]
-            stored = iter(exists([found[0].key for found in named if found is not None]))
+            targets = [found[0].key for found in named if found is not None]
+            calls += bool(targets or extra_keys)
+            answers = exists(targets + extra_keys) if targets or extra_keys else []
         except StoreError:
             for index, _ in asked:
                 settled[index].unread = True
             break  # a pointer read or check failed: no hit relies on a pointer not settled (below)
+        lookup.add_found(extra, {key for key, there in zip(extra_keys, answers[len(targets) :], strict=True) if there})
+        extra_keys, stored = [], iter(answers[: len(targets)])
         for (index, ref), found in zip(asked, named, strict=True):
             if found is not None and next(stored):
                 settled[index].targets[ref.key], settled[index].reach[ref.key] = found
@@ -291,7 +298,7 @@ def _settle_pointers(
     # Unsettled after the last round, or a failed read: no hit relies on a pointer not settled.
     for index in range(len(prompts)):
         known[index] = frozenset(key for key in known[index] if key in settled[index].targets or not _is_pointer(key))
-    return rounds
+    return calls
 
 
 def _extend(

@@ -52,9 +52,10 @@ def main() -> None:
     parser.add_argument("--level", type=int, default=64, help="new requests a batch")
     parser.add_argument("--batches", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=5, help="passes over the batches; the median pass counts")
+    parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    bs = 32
+    bs = args.block_size
     config = load_config({"master_server_address": "127.0.0.1:1"})
     grid, lead, root = divergence_grid(config, bs), lead_pointers(config, bs), RequestIdentity().root_hash()
 
