@@ -273,7 +273,7 @@ def _settle_pointers(lookup: _Lookup, exists: ExistsFn, read: ReadFn) -> int:
             hit = _longest(keys, ends, known[index])[1]
             asked += [(index, ref) for ref in _wanted(keys, hit, known[index], settled[index])]
         if not asked and not extra_keys:
-            break
+            return calls  # every pointer a hit relies on is settled
         try:
             calls += bool(asked)
             records = read([ref.key for _, ref in asked]) if asked else []
