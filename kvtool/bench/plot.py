@@ -23,7 +23,7 @@ IDEAL_COLOR = (200, 200, 200)
 AXIS_COLOR = (60, 60, 60)
 
 
-def _color(connector: str, index: int) -> tuple[int, int, int]:
+def connector_color(connector: str, index: int) -> tuple[int, int, int]:
     return COLORS.get(connector, FALLBACK_COLORS[index % len(FALLBACK_COLORS)])
 
 
@@ -50,7 +50,7 @@ def write_plot(path: Path, reports: dict[str, ConnectorReport]) -> None:
     for index, connector in enumerate(connectors):  # legend
         lx = right - 220
         ly = 16 + 14 * index
-        draw.rectangle([lx, ly, lx + 10, ly + 10], fill=_color(connector, index))
+        draw.rectangle([lx, ly, lx + 10, ly + 10], fill=connector_color(connector, index))
         draw.text((lx + 16, ly), connector, fill=AXIS_COLOR)
     draw.text((8, top), str(peak), fill=AXIS_COLOR)
     draw.text((8, bottom - 10), "0", fill=AXIS_COLOR)
@@ -65,7 +65,9 @@ def write_plot(path: Path, reports: dict[str, ConnectorReport]) -> None:
                 if position < len(rs):
                     height = (bottom - top) * rs[position].hit_tokens / peak
                     bx = x0 + index * bar
-                    draw.rectangle([bx, bottom - height, bx + bar - 1, bottom], fill=_color(connectors[index], index))
+                    draw.rectangle(
+                        [bx, bottom - height, bx + bar - 1, bottom], fill=connector_color(connectors[index], index)
+                    )
             ideal_y = bottom - (bottom - top) * ideal / peak
             draw.line([(x0, ideal_y), (x0 + slot * 0.8, ideal_y)], fill=AXIS_COLOR, width=2)
         workload_starts: dict[str, int] = {}
@@ -90,7 +92,7 @@ def write_plot(path: Path, reports: dict[str, ConnectorReport]) -> None:
             if value is None:
                 continue
             y = bottom2 - (bottom2 - top2) * value / peak_ms
-            color = _color(connector, index)
+            color = connector_color(connector, index)
             draw.rectangle([x0, y, x1, bottom2], fill=color if solid else None, outline=color, width=2)
         p50, p90 = summary.ttft_ms_p50, summary.ttft_ms_p90
         label = f"{connector}: p50 {p50:.0f} / p90 {p90:.0f}" if p50 is not None and p90 is not None else connector

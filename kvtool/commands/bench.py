@@ -53,7 +53,13 @@ def bench_command(
         bool, typer.Option(help="with --compare: every pair at once, each step sent to each pair in turn")
     ] = False,
     json_path: Annotated[Path | None, typer.Option("--json", help="old name of --output", hidden=True)] = None,
-    plot: Annotated[Path | None, typer.Option("--plot", help="write a PNG: hits vs ideal, TTFT by connector")] = None,
+    plot: Annotated[
+        Path | None,
+        typer.Option(
+            "--plot",
+            help="write a PNG: hits vs ideal and TTFT by connector; with --sweep-rates, TTFT p99 by request rate",
+        ),
+    ] = None,
     quiet_s: Annotated[
         float,
         typer.Option(help="seconds from one request's end to the next one's start, durability wait included"),
@@ -76,7 +82,7 @@ def bench_command(
         from kvtool.load.command import load_command
 
         bench = {"max_tokens": max_tokens, "seed": seed, "tolerance": tolerance}
-        return load_command(load_options, output, pair_options, ready_file, launch, compared, **bench)
+        return load_command(load_options, output, pair_options, ready_file, launch, compared, plot, **bench)
     config = BenchConfig.from_options(
         workloads=tuple(workload or ("sub-block",)),
         requests=requests,

@@ -5,6 +5,7 @@ side by side in one report (``kvtool.load.report``)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +29,11 @@ def load_command(
     ready_file: Path | None,
     launch: bool,
     compared: list[str] | None,
+    plot: Path | None = None,
     **bench: Any,
 ) -> None:
-    """``kvtool bench --load``: check every input, run, print the report (``bench``: bench's
-    ``max_tokens``, ``seed`` and ``tolerance``)."""
+    """``kvtool bench --load``: check every input, run, print the report and write the plot (``bench``:
+    bench's ``max_tokens``, ``seed`` and ``tolerance``)."""
     from kvtool.bench.command import provenance
     from kvtool.commands.output import emit
 
@@ -42,6 +44,8 @@ def load_command(
         raise UserError("--load needs one pair: give --pair READY_FILE or --launch (not both)")
     if compared and not launch:
         raise UserError("--compare starts each connector's pair or fleet in turn: it needs --launch")
+    if plot is not None and options.sweep_rates is None:
+        raise UserError("--plot with --load draws a sweep: give --sweep-rates too (or leave --plot out)")
     launch_cfg = pair_options.config(report=output.say) if launch else None
     measured = provenance()  # the commit and the cores, when the run starts
     results = run_load(
@@ -49,6 +53,11 @@ def load_command(
     )
     config = {**measured, "load": options.__dict__, **bench, "pair": _portable(launch_cfg) if launch_cfg else None}
     emit(load_report(results, options, config), output)
+    if plot is not None:
+        from .plot import write_sweep_plot
+
+        write_sweep_plot(plot, results, options)
+        output.say(f"wrote {plot}")
     failed = sum(result.summary.failed for result in results)
     differed = sum(result.run.checked.get("differed", 0) for result in results)
     if failed or differed:
@@ -78,8 +87,15 @@ def run_load(
     """The load test on the pair or fleet of ``ready_file``, or on each connector's launched in turn."""
     from kvtool.pair.launch import launched_pair
 
+    def each_rate(info: ReadyFile) -> list[LoadResult]:
+        # A sweep's runs in turn, each with sessions of its own seed (none finds an earlier run's prompts).
+        return [
+            _measure(info, replace(options, session_rate=rate), max_tokens, seed + level, tolerance, say)
+            for level, rate in enumerate(options.rates())
+        ]
+
     if ready_file is not None:
-        return [_measure(read_ready_file(ready_file), options, max_tokens, seed, tolerance, say)]
+        return each_rate(read_ready_file(ready_file))
     if launch_cfg is None:
         raise UserError("--load needs a pair: give --pair READY_FILE or --launch")
     results = []
@@ -89,7 +105,7 @@ def run_load(
         cfg = launch_cfg.model_copy(update=update)
         say(f"{connector}: starting its {'fleet' if cfg.is_fleet else 'pair'}")
         with launched_pair(cfg, say) as (info, _procs):
-            results.append(_measure(info, options, max_tokens, seed, tolerance, say))
+            results += each_rate(info)
     return results
 
 
@@ -112,9 +128,10 @@ def _measure(
         seed=seed,
     )
     plans = plan_sessions(shape)
+    arrivals = "closed loop" if options.session_rate is None else f"{options.session_rate:g} sessions/s"
     say(
         f"{info.connector}: {options.load} load, {len(plans)} sessions ({sum(len(p.turns) for p in plans)} requests), "
-        f"{options.concurrency} in flight, to {target.url}"
+        f"{options.concurrency} in flight at most, {arrivals}, to {target.url}"
     )
     runner = LoadRunner(
         target, options.concurrency, deadline_s=options.duration, check_every=options.check_every, tolerance=tolerance
@@ -123,4 +140,4 @@ def _measure(
     summary = summarize(run.records, options.slo_ttft_ms)
     keys = open_admin(info.admin).key_count() if info.admin else None
     fleet = {"engines": len(info.engines) or 2, "router": info.router, "router_policy": info.router_policy}
-    return LoadResult(info.connector, fleet, summary, run, keys)
+    return LoadResult(info.connector, fleet, summary, run, keys, options.session_rate)

@@ -46,6 +46,22 @@ class LoadOptions:
     check_every: Annotated[
         int, _load("every n-th answer is checked against a recomputation after the load (0: none)")
     ] = 10
+    sweep_rates: Annotated[
+        str | None,
+        _load(
+            "a sweep: session arrival rates a second, comma-separated (for example 0.1,0.2,0.4), each run in turn "
+            "on each pair or fleet with fresh sessions (open loop); one report row per connector and rate, and "
+            "with --plot the TTFT p99 against the request rate",
+            "--sweep-rates",
+        ),
+    ] = None
+
+    def rates(self) -> list[float | None]:
+        """The session rates to run in turn: the sweep's, else the one of ``--session-rate`` (None: a closed
+        loop)."""
+        if self.sweep_rates is None:
+            return [self.session_rate]
+        return [_rate(text) for text in self.sweep_rates.split(",")]
 
     def check(self) -> None:
         """The flags' values, checked before any pair is read or started; a UserError naming the flag."""
@@ -65,6 +81,23 @@ class LoadOptions:
                 raise UserError(f"{flag} {number:g} must be more than 0")
         if self.session_rate is not None and self.session_rate <= 0:
             raise UserError(f"--session-rate {self.session_rate:g} must be more than 0 (leave it out: a closed loop)")
+        if self.sweep_rates is not None:
+            if self.session_rate is not None:
+                raise UserError("--sweep-rates sets each run's session rate: leave --session-rate out")
+            rates = self.rates()
+            if len(set(rates)) != len(rates):
+                raise UserError(f"--sweep-rates {self.sweep_rates!r} names a rate twice: give each rate once")
+
+
+def _rate(text: str) -> float:
+    """One rate of ``--sweep-rates``; a UserError naming it where it is not a number above 0."""
+    try:
+        rate = float(text)
+    except ValueError:
+        rate = float("nan")
+    if not rate > 0 or rate == float("inf"):
+        raise UserError(f"--sweep-rates: {text.strip()!r} is not a rate above 0 (sessions a second, for example 0.2)")
+    return rate
 
 
 @dataclass(frozen=True)
@@ -74,3 +107,12 @@ class LoadResult:
     summary: LoadSummary
     run: LoadRun
     store_keys: float | None
+    session_rate: float | None = None  # the run's session arrival rate (None: a closed loop)
+
+    @property
+    def sent_rate(self) -> float | None:
+        """Requests sent a second, first send to last: the load the run offered (a sweep's x axis)."""
+        sent = sorted(record.sent_s for record in self.run.records)
+        if len(sent) < 2 or sent[-1] <= sent[0]:
+            return None
+        return (len(sent) - 1) / (sent[-1] - sent[0])

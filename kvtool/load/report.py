@@ -11,6 +11,8 @@ from .options import LoadOptions, LoadResult
 
 COLUMNS = [
     "connector",
+    "sessions/s",
+    "sent req/s",
     "requests",
     "failed",
     "TTFT p50",
@@ -33,8 +35,11 @@ def _row(result: LoadResult) -> dict[str, Any]:
     summary = result.summary
     checked = result.run.checked
     reuse = summary.reuse_vs_ideal
+    sent = result.sent_rate
     return {
         "connector": result.connector,
+        "sessions/s": "closed loop" if result.session_rate is None else result.session_rate,
+        "sent req/s": None if sent is None else round(sent, 3),
         "requests": summary.requests,
         "failed": summary.failed,
         "TTFT p50": summary.ttft_ms["p50"],
@@ -69,6 +74,8 @@ def load_report(results: list[LoadResult], options: LoadOptions, config: dict[st
         "results": [
             {
                 "connector": result.connector,
+                "session_rate": result.session_rate,
+                "sent_request_rate": result.sent_rate,
                 "fleet": result.fleet,
                 "summary": {**result.summary.__dict__, "reuse_vs_ideal": result.summary.reuse_vs_ideal},
                 "checked": result.run.checked,

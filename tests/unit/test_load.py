@@ -160,9 +160,59 @@ def test_a_failed_request_ends_its_session_not_the_run(monkeypatch):
         ({"think_s": -1.0}, "--think-s -1 must be 0 or more"),
         ({"session_rate": 0.0}, "--session-rate 0 must be more than 0"),
         ({"duration": 0.0}, "--duration 0 must be more than 0"),
+        ({"sweep_rates": "0.1,x"}, "--sweep-rates: 'x' is not a rate above 0"),
+        ({"sweep_rates": "0.1,-2"}, "--sweep-rates: '-2' is not a rate above 0"),
+        ({"sweep_rates": "0.1,inf"}, "--sweep-rates: 'inf' is not a rate above 0"),
+        ({"sweep_rates": "0.1,,0.2"}, "--sweep-rates: '' is not a rate above 0"),
+        ({"sweep_rates": "0.1,0.10"}, "names a rate twice"),
+        ({"sweep_rates": "0.1", "session_rate": 0.2}, "--sweep-rates sets each run's session rate"),
     ],
 )
 def test_bad_load_flags_are_one_sentence_naming_the_flag(overrides, says):
     with pytest.raises(UserError) as raised:
         LoadOptions(**{"load": "agentic", **overrides}).check()
     assert says in raised.value.message
+
+
+def test_a_sweep_runs_each_rate_and_a_plain_run_its_one_rate():
+    assert LoadOptions(load="agentic", sweep_rates="0.1, 0.2,0.4").rates() == [0.1, 0.2, 0.4]
+    assert LoadOptions(load="agentic", session_rate=0.3).rates() == [0.3]
+    assert LoadOptions(load="agentic").rates() == [None]  # a closed loop
+
+
+def _result(connector, rate, sends, ttft_s):
+    from kvtool.load.options import LoadResult
+    from kvtool.load.runner import LoadRun
+
+    records = [RequestRecord(0, n, sent, 100, 2, ttft_s=ttft_s, e2e_s=ttft_s + 0.1) for n, sent in enumerate(sends)]
+    return LoadResult(connector, {}, summarize(records, 2000.0), LoadRun(records=records), None, rate)
+
+
+def test_a_sweeps_points_are_each_runs_sent_rate_and_ttft_by_connector(tmp_path):
+    from kvtool.load.plot import sweep_points, write_sweep_plot
+
+    results = [
+        _result("kvtool", 0.2, [0.0, 1.0, 2.0], 0.5),  # 3 requests over 2 s: 1 a second
+        _result("kvtool", 0.1, [0.0, 2.0, 4.0], 0.3),
+        _result("none", 0.1, [0.0, 4.0], 0.9),
+        _result("none", 0.2, [1.0], 0.9),  # one request: no rate, no point
+    ]
+    assert results[0].sent_rate == 1.0 and results[3].sent_rate is None
+    points = sweep_points(results)
+    assert points == {"kvtool": [(0.5, 300.0, 300.0), (1.0, 500.0, 500.0)], "none": [(0.25, 900.0, 900.0)]}
+    path = tmp_path / "sweep" / "ttft.png"
+    write_sweep_plot(path, results, LoadOptions(load="agentic", sweep_rates="0.1,0.2"))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_load_plot_without_a_sweep_is_one_sentence_and_no_traceback(tmp_path):
+    from typer.testing import CliRunner
+
+    from kvtool.cli import app
+
+    ready = tmp_path / "ready.json"
+    result = CliRunner().invoke(
+        app, ["bench", "--pair", str(ready), "--load", "agentic", "--plot", str(tmp_path / "p.png")]
+    )
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    assert "--plot with --load draws a sweep: give --sweep-rates too" in " ".join(result.output.split())
