@@ -92,22 +92,28 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=3, help="batches per concurrency")
     parser.add_argument("--pause-s", type=float, default=0.5)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--connectors", default=",".join(CONNECTORS), help="the pairs, in the order they run")
+    parser.add_argument(
+        "--connectors",
+        default=",".join(CONNECTORS),
+        help="the pairs, in the order they run; one named twice runs twice, its requests pooled",
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     rng = random.Random(args.seed)
     results = {}
     with tempfile.TemporaryDirectory(prefix="kvtool-concurrent-miss-") as tmp:
         for block in args.blocks.split(","):
-            runs = {}
-            for connector in args.connectors.split(","):
-                workdir = Path(tmp) / f"{connector}-{block}"
+            runs: dict[str, dict[int, list[dict[str, Any]]]] = {}
+            for turn, connector in enumerate(args.connectors.split(",")):
+                workdir = Path(tmp) / f"{connector}-{block}-{turn}"
                 workdir.mkdir()
                 pair, info = launch(connector, workdir, ("--block-size", block))
                 try:
-                    runs[connector] = measure(info, args, rng)
+                    measured = measure(info, args, rng)
                 finally:
                     stop(pair)
+                for concurrency, rows in measured.items():  # a connector named twice: its runs pooled
+                    runs.setdefault(connector, {}).setdefault(concurrency, []).extend(rows)
             results[block] = summarize(runs)
     write_result(
         {
