@@ -176,9 +176,13 @@ class PairOptions:
         str,
         _pair(
             "how the router picks an engine: round_robin, random, power_of_two, consistent_hash, cache_aware "
-            "(the router's own prefix tree) or sticky_least_loaded"
+            "(the router's own prefix tree), sticky_least_loaded or kv_aware (what each engine's cache holds, "
+            "from the KV events it publishes on --kv-events-port)"
         ),
     ] = "round_robin"
+    kv_events_port: Annotated[
+        int, _pair("with --router-policy kv_aware: engine i publishes its KV events on 127.0.0.1 at this port + i")
+    ] = 5557
     fault_control_file: Annotated[
         Path | None,
         _pair("testing only: a fault plan file (connector/faults.py) the kvtool connectors re-read", hidden=True),
@@ -319,6 +323,7 @@ class PairOptions:
                 router_port=self.router_port,
                 router_metrics_port=self.router_metrics_port,
                 router_policy=self.router_policy,
+                kv_events_port=self.kv_events_port,
             )
         except ValidationError as exc:
             first = exc.errors()[0]

@@ -26,8 +26,10 @@ StoreChoice = Literal["embedded", "standalone"]
 RolesChoice = Literal["pd", "both"]  # pd: kv_producer + kv_consumer; both: kv_both on each engine
 # An engine's name: "producer" and "consumer" in a pair; "engine-0", "engine-1", ... in a fleet.
 Role = str
-# vLLM's router's policies that need nothing but the engines' URLs (kv_aware needs KV events wired).
-RouterPolicy = Literal["round_robin", "random", "power_of_two", "consistent_hash", "cache_aware", "sticky_least_loaded"]
+# vLLM's router's policies; kv_aware routes by the KV events each engine publishes (``kv_events_port``).
+RouterPolicy = Literal[
+    "round_robin", "random", "power_of_two", "consistent_hash", "cache_aware", "sticky_least_loaded", "kv_aware"
+]
 FLEET_PREFIX = "engine-"
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -88,6 +90,8 @@ class ServePairConfig(BaseModel):
     router_port: int = Field(default=8000, ge=1, le=65535)
     router_metrics_port: int = Field(default=29000, ge=1, le=65535)
     router_policy: RouterPolicy = "round_robin"
+    # kv_aware: engine i publishes vLLM's KV events (blocks stored and removed) on 127.0.0.1:kv_events_port + i.
+    kv_events_port: int = Field(default=5557, ge=1, le=65535)
 
     @property
     def effective_block_size(self) -> int:
@@ -161,6 +165,15 @@ class ServePairConfig(BaseModel):
 
     def base_url(self, role: Role) -> str:
         return f"http://{LOOPBACK}:{self.port(role)}"
+
+    @property
+    def publishes_kv_events(self) -> bool:
+        """Each engine publishes its KV events, for the router's kv_aware policy."""
+        return self.is_fleet and self.router_policy == "kv_aware"
+
+    def kv_events_endpoint(self, role: Role) -> str:
+        """Where a fleet engine publishes its KV events (ZMQ, loopback): kv_events_port + its index."""
+        return f"tcp://{LOOPBACK}:{self.kv_events_port + self.engine_names.index(role)}"
 
 
 def master_endpoints(address: str, flag: str) -> list[tuple[str, int]]:

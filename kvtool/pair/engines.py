@@ -100,6 +100,9 @@ def engine_argv(cfg: ServePairConfig, role: Role, python: str = sys.executable) 
         argv += cfg.profile.state_model_args
     if transfer is not None:
         argv += ["--kv-transfer-config", json.dumps(transfer, separators=(",", ":"))]
+    if cfg.publishes_kv_events:  # the router's kv_aware policy follows what each engine's cache holds
+        events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": cfg.kv_events_endpoint(role)}
+        argv += ["--kv-events-config", json.dumps(events, separators=(",", ":"))]
     return argv
 
 

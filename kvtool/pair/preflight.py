@@ -96,6 +96,10 @@ def check_values(cfg: ServePairConfig) -> list[tuple[int, str]]:
         flag = "--engine-port" if cfg.engine_ports else "--producer-port (+ the engine's index)"
         ports = [(cfg.port(name), f"{flag} of {name}") for name in cfg.engine_names]
         ports += [(cfg.router_port, "--router-port"), (cfg.router_metrics_port, "--router-metrics-port")]
+        if cfg.publishes_kv_events:
+            ports += [
+                (cfg.kv_events_port + index, "--kv-events-port (+ the engine's index)") for index in range(cfg.engines)
+            ]
     else:
         ports = [(cfg.producer_port, "--producer-port"), (cfg.consumer_port, "--consumer-port")]
     if cfg.starts_master:

@@ -63,7 +63,18 @@ def router_argv(cfg: ServePairConfig, binary: str) -> list[str]:
         str(HEALTH_TIMEOUT_S),
         "--log-level",
         "warning",
+        *_kv_event_sources(cfg),
     ]
+
+
+def _kv_event_sources(cfg: ServePairConfig) -> list[str]:
+    """kv_aware: each engine's KV event publisher, the block size its events count in, one model."""
+    if not cfg.publishes_kv_events:
+        return []
+    argv = []
+    for name in cfg.engine_names:
+        argv += ["--kv-event-source", f"{cfg.base_url(name)}={cfg.kv_events_endpoint(name)}"]
+    return [*argv, "--kv-event-block-size", str(cfg.effective_block_size), "--kv-event-model", str(cfg.model)]
 
 
 def router_readiness(cfg: ServePairConfig) -> ReadinessCheck:

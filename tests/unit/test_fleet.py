@@ -3,6 +3,7 @@ launcher's rules, without starting anything (tests/e2e/test_fleet.py runs one)."
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -58,6 +59,28 @@ def test_the_router_binds_loopback_and_routes_to_every_engine_by_the_policy(tmp_
     start = argv.index("--worker-urls") + 1
     assert argv[start : start + 3] == [f"http://127.0.0.1:{port}" for port in (8100, 8101, 8102)]
     assert flag_value(argv, "--policy") == "power_of_two"
+
+
+def test_kv_aware_routing_wires_each_engines_kv_events_to_the_router(tmp_path):
+    cfg = fleet(tmp_path, router_policy="kv_aware", kv_events_port=6100, block_size=64)
+    endpoints = []
+    for name in cfg.engine_names:
+        events = json.loads(flag_value(engine_argv(cfg, name), "--kv-events-config"))
+        assert events["enable_kv_cache_events"] is True and events["publisher"] == "zmq"
+        endpoints.append(events["endpoint"])
+    assert endpoints == ["tcp://127.0.0.1:6100", "tcp://127.0.0.1:6101", "tcp://127.0.0.1:6102"]
+    argv = router_argv(cfg, "vllm-router")
+    sources = [argv[i + 1] for i, arg in enumerate(argv) if arg == "--kv-event-source"]
+    assert sources == [f"http://127.0.0.1:{8100 + i}=tcp://127.0.0.1:{6100 + i}" for i in range(3)]
+    assert flag_value(argv, "--kv-event-block-size") == "64" and flag_value(argv, "--policy") == "kv_aware"
+    # Any other policy: no events published, none read.
+    plain = fleet(tmp_path)
+    assert "--kv-events-config" not in engine_argv(plain, "engine-0")
+    assert "--kv-event-source" not in router_argv(plain, "vllm-router")
+    clash = fleet(tmp_path, router_policy="kv_aware", kv_events_port=8099)  # 8099 + 1 is engine-0's port
+    with pytest.raises(UserError) as raised:
+        check_values(clash)
+    assert "8100" in raised.value.message and "--kv-events-port" in raised.value.message
 
 
 def test_the_ready_file_sends_both_roles_through_the_router_and_lists_the_engines_serving(tmp_path):
