@@ -44,20 +44,26 @@ class CountingStore(ScriptedStore):
         return super().exists(keys)
 
     def publish(self, tokens, block, grid):
-        keys = keys_for(tokens, block, grid)
-        saved = plan_save(keys)
-        for ref in saved:
+        for ref in publish(self, tokens, block, grid):
             self.sources.setdefault(ref.key, tokens)
-        self.put_many([(ref.key, b"\0" * HEADER_SIZE) for ref in saved])
-        records = []
-        for ref in saved:
-            for p in keys.pointers_inside(ref):
-                ids = tokens[p.token_end : ref.token_end]
-                record = PointerRecord(
-                    FINGERPRINT, p.chain_hash, p.group, p.token_end, ref.kind, ref.token_end, ref.chain_hash, ids
-                )
-                records.append((p.key, encode_pointer(record)))
-        self.put_many(records, replace=True)
+
+
+def publish(store, tokens, block, grid):
+    """What a save of ``tokens`` puts into ``store``: its objects (the first put of a key wins), then its
+    pointer records (replacing older ones). Returns the objects' refs."""
+    keys = keys_for(tokens, block, grid)
+    saved = plan_save(keys)
+    store.put_many([(ref.key, b"\0" * HEADER_SIZE) for ref in saved])
+    records = []
+    for ref in saved:
+        for p in keys.pointers_inside(ref):
+            ids = tokens[p.token_end : ref.token_end]
+            record = PointerRecord(
+                FINGERPRINT, p.chain_hash, p.group, p.token_end, ref.kind, ref.token_end, ref.chain_hash, ids
+            )
+            records.append((p.key, encode_pointer(record)))
+    store.put_many(records, replace=True)
+    return saved
 
 
 def lookup(store, prompts, block, grid, sparse_min):
