@@ -183,6 +183,14 @@ class PairOptions:
     kv_events_port: Annotated[
         int, _pair("with --router-policy kv_aware: engine i publishes its KV events on 127.0.0.1 at this port + i")
     ] = 5557
+    restart_engines: Annotated[
+        bool,
+        _pair(
+            "a fleet's engine that ends or hangs is started again on its port and rejoins the router's rotation "
+            "once warm with the store; --no-restart-engines lets it go and the rest serve on",
+            "--restart-engines/--no-restart-engines",
+        ),
+    ] = True
     fault_control_file: Annotated[
         Path | None,
         _pair("testing only: a fault plan file (connector/faults.py) the kvtool connectors re-read", hidden=True),
@@ -324,6 +332,7 @@ class PairOptions:
                 router_metrics_port=self.router_metrics_port,
                 router_policy=self.router_policy,
                 kv_events_port=self.kv_events_port,
+                restart_engines=self.restart_engines,
             )
         except ValidationError as exc:
             first = exc.errors()[0]

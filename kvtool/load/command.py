@@ -15,7 +15,9 @@ from kvtool.errors import UserError
 from kvtool.pair.config import ServePairConfig
 from kvtool.pair.profiles import profile
 from kvtool.pair.ready import ReadyFile, read_ready_file
+from kvtool.pair.router import RouterWorkers
 
+from .churn import RotationWatch, phase_summaries, victim
 from .metrics import summarize
 from .options import LoadOptions, LoadResult
 from .runner import LoadRunner, LoadTarget
@@ -40,6 +42,8 @@ def load_command(
     from .report import load_report
 
     options.check()
+    if options.kill_engine_after is not None and not launch and ready_file is not None:
+        victim(read_ready_file(ready_file))  # a pair, or a fleet of one: said before any load
     if (ready_file is None) == (not launch):
         raise UserError("--load needs one pair: give --pair READY_FILE or --launch (not both)")
     if compared and not launch:
@@ -47,6 +51,8 @@ def load_command(
     if plot is not None and options.sweep_rates is None:
         raise UserError("--plot with --load draws a sweep: give --sweep-rates too (or leave --plot out)")
     launch_cfg = pair_options.config(report=output.say) if launch else None
+    if options.kill_engine_after is not None and launch_cfg is not None and launch_cfg.engines < 2:
+        raise UserError("--kill-engine-after needs a fleet of 2 engines or more: give --engines N with --launch")
     measured = provenance()  # the commit and the cores, when the run starts
     results = run_load(
         options, say=output.say, ready_file=ready_file, launch_cfg=launch_cfg, compared=compared, **bench
@@ -136,8 +142,21 @@ def _measure(
     runner = LoadRunner(
         target, options.concurrency, deadline_s=options.duration, check_every=options.check_every, tolerance=tolerance
     )
+    watch = _churn_watch(info, options.kill_engine_after, say)
     run = runner.run(plans)
+    churn = watch.stop() if watch is not None else None
     summary = summarize(run.records, options.slo_ttft_ms)
     keys = open_admin(info.admin).key_count() if info.admin else None
     fleet = {"engines": len(info.engines) or 2, "router": info.router, "router_policy": info.router_policy}
-    return LoadResult(info.connector, fleet, summary, run, keys, options.session_rate)
+    phases = phase_summaries(run.records, churn, options.slo_ttft_ms) if churn is not None else None
+    return LoadResult(info.connector, fleet, summary, run, keys, options.session_rate, churn, phases)
+
+
+def _churn_watch(info: ReadyFile, kill_after_s: float | None, say: Callable[[str], None]) -> RotationWatch | None:
+    """``--kill-engine-after``: the watch of the router's list that kills the fleet's last engine."""
+    if kill_after_s is None:
+        return None
+    engine, url, pid = victim(info)
+    assert info.router is not None  # victim() holds it
+    say(f"{info.connector}: {engine} (pid {pid}) is killed {kill_after_s:g} s into the load")
+    return RotationWatch(RouterWorkers(info.router), engine, url, pid, kill_after_s).start()

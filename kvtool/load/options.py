@@ -10,6 +10,7 @@ import typer
 
 from kvtool.errors import UserError
 
+from .churn import Churn
 from .metrics import LoadSummary
 from .runner import LoadRun
 from .sessions import LOAD_WORKLOADS
@@ -55,6 +56,14 @@ class LoadOptions:
             "--sweep-rates",
         ),
     ] = None
+    kill_engine_after: Annotated[
+        float | None,
+        _load(
+            "a fleet's churn: kill one engine (SIGKILL, the fleet's last) this many seconds into the load; the "
+            "report adds TTFT before, while it is down (serve-pair restarts it, it rejoins once warm) and after",
+            "--kill-engine-after",
+        ),
+    ] = None
 
     def rates(self) -> list[float | None]:
         """The session rates to run in turn: the sweep's, else the one of ``--session-rate`` (None: a closed
@@ -81,6 +90,11 @@ class LoadOptions:
                 raise UserError(f"{flag} {number:g} must be more than 0")
         if self.session_rate is not None and self.session_rate <= 0:
             raise UserError(f"--session-rate {self.session_rate:g} must be more than 0 (leave it out: a closed loop)")
+        if self.kill_engine_after is not None:
+            if not self.kill_engine_after > 0:
+                raise UserError(f"--kill-engine-after {self.kill_engine_after:g} must be more than 0 (seconds)")
+            if self.sweep_rates is not None:
+                raise UserError("--kill-engine-after kills one engine in one run: leave --sweep-rates out")
         if self.sweep_rates is not None:
             if self.session_rate is not None:
                 raise UserError("--sweep-rates sets each run's session rate: leave --session-rate out")
@@ -108,6 +122,8 @@ class LoadResult:
     run: LoadRun
     store_keys: float | None
     session_rate: float | None = None  # the run's session arrival rate (None: a closed loop)
+    churn: Churn | None = None  # --kill-engine-after: the engine killed, when it left and rejoined
+    phases: list[dict[str, Any]] | None = None  # ... and each phase's TTFT (kvtool.load.churn)
 
     @property
     def sent_rate(self) -> float | None:

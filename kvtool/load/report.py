@@ -7,6 +7,7 @@ from typing import Any
 
 from kvtool.report import Report, ReportTable
 
+from .churn import Churn
 from .options import LoadOptions, LoadResult
 
 COLUMNS = [
@@ -61,6 +62,10 @@ def _row(result: LoadResult) -> dict[str, Any]:
 def load_report(results: list[LoadResult], options: LoadOptions, config: dict[str, Any]) -> Report:
     """The table (latencies in ms), and a payload with each connector's summary and the configuration."""
     table = ReportTable(f"kvtool bench --load {options.load}", COLUMNS, [_row(result) for result in results])
+    tables = [table]
+    if any(result.phases for result in results):
+        phases = [_phase_row(result, phase) for result in results for phase in result.phases or []]
+        tables.append(ReportTable("TTFT while an engine is down and after it rejoins", PHASE_COLUMNS, phases))
     notes = [
         "TTFT, TPOT, ITL in ms by vLLM's definitions (kvtool/load/metrics.py); goodput: requests a second within "
         f"the TTFT objective of {options.slo_ttft_ms:g} ms; reuse / ideal: tokens reused against what any "
@@ -68,6 +73,8 @@ def load_report(results: list[LoadResult], options: LoadOptions, config: dict[st
     ]
     for result in results:
         notes += [f"{result.connector}: {difference}" for difference in result.run.differences[:3]]
+        if result.churn is not None:
+            notes.append(f"{result.connector}: {_churn_note(result.churn)}")
     payload = {
         "what": "kvtool bench --load",
         "configuration": config,
@@ -81,9 +88,54 @@ def load_report(results: list[LoadResult], options: LoadOptions, config: dict[st
                 "checked": result.run.checked,
                 "differences": result.run.differences,
                 "store_keys": result.store_keys,
+                "churn": None if result.churn is None else result.churn.to_json(),
+                "phases": result.phases,
                 "requests": [record.__dict__ for record in result.run.records],
             }
             for result in results
         ],
     }
-    return Report([table], notes=notes, payload=payload)
+    return Report(tables, notes=notes, payload=payload)
+
+
+PHASE_COLUMNS = [
+    "connector",
+    "phase",
+    "from s",
+    "to s",
+    "requests",
+    "failed",
+    "TTFT p50",
+    "TTFT p90",
+    "TTFT p99",
+    "reuse / ideal",
+]
+
+
+def _phase_row(result: LoadResult, phase: dict[str, Any]) -> dict[str, Any]:
+    ideal = phase["ideal_tokens"]
+    return {
+        "connector": result.connector,
+        "phase": phase["phase"],
+        "from s": phase["from_s"],
+        "to s": phase["to_s"],
+        "requests": phase["requests"],
+        "failed": phase["failed"],
+        "TTFT p50": phase["ttft_ms"]["p50"],
+        "TTFT p90": phase["ttft_ms"]["p90"],
+        "TTFT p99": phase["ttft_ms"]["p99"],
+        "reuse / ideal": round(phase["hit_tokens"] / ideal, 4) if ideal else None,
+    }
+
+
+def _churn_note(churn: Churn) -> str:
+    """When the killed engine left the router's list and came back, in seconds into the load."""
+    if churn.killed_s is None:
+        return f"{churn.engine} was not killed: the load ended first (give a smaller --kill-engine-after)"
+    out = (
+        "never seen out of the router's list"
+        if churn.out_s is None
+        else f"out of the router's list at {churn.out_s:g} s"
+    )
+    back = "not back before the load ended" if churn.back_s is None else f"back in it at {churn.back_s:g} s"
+    return f"{churn.engine} killed at {churn.killed_s:g} s, {out}, {back}"

@@ -92,6 +92,9 @@ class ServePairConfig(BaseModel):
     router_policy: RouterPolicy = "round_robin"
     # kv_aware: engine i publishes vLLM's KV events (blocks stored and removed) on 127.0.0.1:kv_events_port + i.
     kv_events_port: int = Field(default=5557, ge=1, le=65535)
+    # A fleet's engine that ends or hangs is started again and rejoins the router's rotation once warm
+    # (kvtool.pair.members); False: it is let go and the rest serve on.
+    restart_engines: bool = True
 
     @property
     def effective_block_size(self) -> int:

@@ -16,6 +16,7 @@ from kvtool.errors import EXIT_INTERRUPTED, ServerError
 from kvtool.files import write_json_atomically
 from kvtool.pair.config import FLEET_PREFIX, REPO_ROOT, Reporter, ServePairConfig
 from kvtool.pair.engines import engine_argv, engine_env
+from kvtool.pair.members import FleetMembers, supervise_engines
 from kvtool.pair.preflight import preflight
 from kvtool.pair.procs import LOOPBACK, ManagedProcess, ProcessDied, ProcessSet, ReadinessCheck
 from kvtool.pair.ready import ReadyFile, ReadyFileWriter, admin_url_for, ready_info
@@ -142,6 +143,7 @@ def launched_pair(
     ready = ReadyFileWriter(cfg.ready_file)
     procs.on_departed = lambda _name: ready.refresh()  # a fleet's engine let go: the file lists the rest
     watch: Watch | None = None
+    members: FleetMembers | None = None  # a fleet's engines in the router's rotation (restarted when they end)
     try:
         with signal_guard():
             labels = start_mooncake(cfg, procs, say)
@@ -162,10 +164,13 @@ def launched_pair(
                 warm_fleet(cfg, say)  # no user request meets a first-transfer stall
                 start_router(cfg, procs, say)
                 supervisor.supervise("router", ROUTER_LABEL)
+                if cfg.restart_engines:
+                    members = supervise_engines(cfg, supervisor, say, ready.refresh)
 
             def current_info() -> ReadyFile:
                 restarts = supervisor.restarts() if supervisor is not None else {}
-                return ready_info(cfg, procs.pids(), admin_url_for(cfg), restarts)
+                out = members.out if members is not None else frozenset()
+                return ready_info(cfg, procs.pids(), admin_url_for(cfg), restarts, out_of_rotation=out)
 
             info = ready.publish(current_info)
             yield info, procs

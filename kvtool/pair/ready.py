@@ -94,17 +94,23 @@ def admin_url_for(cfg: ServePairConfig) -> str | None:
 
 
 def ready_info(
-    cfg: ServePairConfig, pids: dict[str, int], admin_url: str | None, restarts: dict[str, int] | None = None
+    cfg: ServePairConfig,
+    pids: dict[str, int],
+    admin_url: str | None,
+    restarts: dict[str, int] | None = None,
+    out_of_rotation: frozenset[str] = frozenset(),
 ) -> ReadyFile:
     """What the ready file holds (kvtool/pair/ready.py); rewritten whenever a supervised process gets a
-    new pid."""
+    new pid, or a fleet's engine leaves or rejoins the router's rotation (``out_of_rotation``)."""
     router = cfg.router_url
     return ReadyFile(
         producer=router or cfg.base_url("producer"),  # a fleet is asked through its router
         consumer=router or cfg.base_url("consumer"),
         router=router,
         router_policy=cfg.router_policy if cfg.is_fleet else None,
-        engines={name: cfg.base_url(name) for name in cfg.engine_names if name in pids} if cfg.is_fleet else {},
+        engines={name: cfg.base_url(name) for name in cfg.engine_names if name in pids and name not in out_of_rotation}
+        if cfg.is_fleet
+        else {},
         master=cfg.master_address,
         admin=admin_url,
         master_pid=pids.get("master"),  # None when --master names a master kvtool does not run

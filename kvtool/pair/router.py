@@ -14,6 +14,9 @@ import shutil
 import sys
 from pathlib import Path
 
+import httpx
+
+from kvtool import web
 from kvtool.errors import UserError
 from kvtool.pair.config import ServePairConfig
 from kvtool.pair.procs import LOOPBACK, ReadinessCheck
@@ -80,3 +83,36 @@ def _kv_event_sources(cfg: ServePairConfig) -> list[str]:
 def router_readiness(cfg: ServePairConfig) -> ReadinessCheck:
     """The router answers ``/health`` once it serves (it checked its workers at start)."""
     return ReadinessCheck(http_url=f"{cfg.router_url}/health")
+
+
+class RouterWorkers:
+    """The router's worker list, changed while it serves (its ``/add_worker``, ``/remove_worker`` and
+    ``/list_workers``): a fleet's engine is taken out of the rotation the moment it ends, not after
+    the health checks notice, and put back only once kvtool says it may serve (``kvtool.pair.members``).
+    Every call answers True or False (a router that does not answer is said by the caller): the
+    router's own health checks stay the fallback."""
+
+    def __init__(self, router_url: str, timeout_s: float = 10.0) -> None:
+        self.url = router_url
+        self.timeout_s = timeout_s
+
+    def add(self, engine_url: str) -> bool:
+        return self._post("add_worker", engine_url)
+
+    def remove(self, engine_url: str) -> bool:
+        return self._post("remove_worker", engine_url)
+
+    def urls(self) -> set[str] | None:
+        """The workers the router routes to now; None when it does not answer."""
+        try:
+            response = web.get(f"{self.url}/list_workers", timeout=self.timeout_s)
+            return set(response.json()["urls"]) if response.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            return None
+
+    def _post(self, path: str, engine_url: str) -> bool:
+        try:
+            response = web.post(f"{self.url}/{path}", params={"url": engine_url}, timeout=self.timeout_s)
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200

@@ -159,6 +159,7 @@ class Supervisor:
         clock: Clock = time.monotonic,
         event_log: Path | None = None,
         on_restart: Callable[[str, int], None] | None = None,
+        on_event: Callable[[str, Action], None] | None = None,
     ) -> None:
         self.procs = procs
         self.labels = labels  # name in the ProcessSet -> how to call it in messages
@@ -167,13 +168,18 @@ class Supervisor:
         self.clock = clock
         self.event_log = event_log
         self.on_restart = on_restart
+        self.on_event = on_event  # told of each "down" (before the restart) and "recovered" (after it)
+        self._recovered_notes: dict[str, str] = {}
         now = clock()
         self.trackers = {name: RestartTracker(policy, now) for name in labels}
         procs.supervised.update(labels)
 
-    def supervise(self, name: str, label: str) -> None:
-        """Watch one more process from now on (a fleet's router, started after the engines)."""
-        self.trackers[name] = RestartTracker(self.policy, self.clock())
+    def supervise(self, name: str, label: str, policy: Policy | None = None, recovered_note: str = "") -> None:
+        """Watch one more process from now on (a fleet's router and engines, started after the store),
+        by its own ``policy`` where given; ``recovered_note`` ends the line said when it is back."""
+        self.trackers[name] = RestartTracker(policy or self.policy, self.clock())
+        if recovered_note:
+            self._recovered_notes[name] = recovered_note
         self.procs.supervised.add(name)
         self.labels[name] = label  # last: the watch thread's next round picks it up
 
@@ -194,16 +200,16 @@ class Supervisor:
         decision = tracker.observe(now, alive, healthy)
         label = f"{self.labels[name]} (pid {proc.pid})"
         if decision.action == "recovered":
-            self._report(
-                f"{label} passes its health check again after restart {tracker.restarts}; "
-                "the engines reconnect on their own (what it stored is lost)"
-            )
+            note = self._recovered_notes.get(name, "the engines reconnect on their own (what it stored is lost)")
+            self._report(f"{label} passes its health check again after restart {tracker.restarts}; {note}")
         elif decision.action == "down":
             kill_now(proc)  # a hung one, or what an exited one left in its process group
             what = f"{decision.reason}; killed it (SIGKILL)" if decision.kill else proc.how_it_ended()
             self._report(f"{label} {what}; starting it again in {decision.delay_s:g} s ({self._where(proc)})")
         elif decision.action == "start":
             self._start_again(name, proc, tracker)
+        if decision.action in ("down", "recovered") and self.on_event is not None:
+            self.on_event(name, decision.action)
 
     def _start_again(self, name: str, old: ManagedProcess, tracker: RestartTracker) -> None:
         if old.exit_code() is None:

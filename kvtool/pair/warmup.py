@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from connector.hits import HitDetails
 from kvtool.client import complete
@@ -44,16 +44,35 @@ def _ask(cfg: ServePairConfig) -> Ask:
 
 def warm_fleet(cfg: ServePairConfig, say: Callable[[str], None], ask: Ask | None = None) -> set[tuple[str, str]]:
     """Warm every (saver, loader) pair of engines up; the pairs still cold at the deadline (said)."""
-    if not (cfg.is_fleet and cfg.connector == "kvtool" and cfg.master_address):
+    names = cfg.engine_names
+    pairs = {(saver, loader) for saver in names for loader in names if saver != loader}
+    return _warm(cfg, pairs, "warming the fleet up: each engine loads what each other saved", say, ask)
+
+
+def warm_engine(
+    cfg: ServePairConfig, engine: str, serving: Sequence[str], say: Callable[[str], None], ask: Ask | None = None
+) -> set[tuple[str, str]]:
+    """Warm an engine that joins a serving fleet up with the engines ``serving``: it loads what each
+    of them saves and each loads what it saves (its new Mooncake client has transferred with no one
+    yet); the pairs still cold at the deadline (said)."""
+    pairs = {pair for other in serving if other != engine for pair in ((engine, other), (other, engine))}
+    return _warm(cfg, pairs, f"warming {engine} up with the {len(serving)} engine(s) serving", say, ask)
+
+
+def _warm(
+    cfg: ServePairConfig, pairs: set[tuple[str, str]], what: str, say: Callable[[str], None], ask: Ask | None
+) -> set[tuple[str, str]]:
+    """Each of ``pairs`` (saver, loader) warmed up: the saver saves a fresh prompt and the loader loads
+    it, in rounds, until every pair's load went through or ``WARMUP_TIMEOUT_S`` passes."""
+    if not (pairs and cfg.is_fleet and cfg.connector == "kvtool" and cfg.master_address):
         return set()
     ask = ask or _ask(cfg)
     admin_url = admin_url_for(cfg)
     admin = open_admin(admin_url) if admin_url is not None else None
-    names = cfg.engine_names
-    cold = {(saver, loader) for saver in names for loader in names if saver != loader}
-    rng = random.Random("kvtool-fleet-warmup")
+    cold = set(pairs)
+    rng = random.Random()  # fresh prompts each time: a store that outlived a fleet holds the last ones
     vocab = model_vocab_size(cfg.model)
-    say(f"warming the fleet up: each engine loads what each other saved ({len(cold)} pairs)")
+    say(f"{what} ({len(cold)} pairs)")
     began = time.monotonic()
     while cold and time.monotonic() - began < WARMUP_TIMEOUT_S:
         for saver in sorted({saver for saver, _ in cold}):
@@ -70,11 +89,11 @@ def warm_fleet(cfg: ServePairConfig, say: Callable[[str], None], ask: Ask | None
                     cold.discard((saver, loader))
     took = time.monotonic() - began
     if cold:
-        pairs = ", ".join(f"{loader} from {saver}" for saver, loader in sorted(cold))
+        pairs_left = ", ".join(f"{loader} from {saver}" for saver, loader in sorted(cold))
         say(
-            f"the fleet's first transfers did not all go through in {took:.0f} s ({pairs}); serving anyway: "
+            f"first transfers did not all go through in {took:.0f} s ({pairs_left}); serving anyway: "
             "such a load fails closed (a miss) until its path recovers"
         )
     else:
-        say(f"fleet warm: every engine loaded what every other saved ({took:.1f} s)")
+        say(f"warm: every load went through ({took:.1f} s)")
     return cold

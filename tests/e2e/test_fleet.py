@@ -1,7 +1,8 @@
 """A fleet (serve-pair --engines 2): two kv_both engines of the tiny model behind vLLM's router, round
 robin. A session's second turn lands on the other engine and reuses the first turn's prompt and answer
 from the store, to the token, with the answer of a recomputation; an engine killed mid-run is taken out
-by the router and the fleet serves on, every answer still a recomputation's."""
+of the router's rotation and the fleet serves on, every answer still a recomputation's; serve-pair
+starts it again, and once warm it is back and loads from the store what the other saved meanwhile."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
@@ -19,6 +20,7 @@ import pytest
 from kvtool import prometheus
 from kvtool.client import complete
 from kvtool.pair.procs import find_free_port
+from kvtool.pair.router import RouterWorkers
 from kvtool.pair.ready import read_ready_file
 from kvtool.store.admin import open_admin, wait_for_key
 from kvtool.verify import compare_answers
@@ -140,13 +142,34 @@ def test_a_load_of_agent_sessions_through_the_router_completes_and_answers_exact
     assert len(turns) == summary["requests"]  # each turn once, after its session's answer
 
 
-def test_an_engine_killed_mid_run_is_taken_out_and_the_fleet_serves_on(fleet):
-    """Runs last in this module: it leaves the fleet one engine."""
+def test_an_engine_killed_mid_run_is_taken_out_the_fleet_serves_on_and_it_rejoins_warm(fleet):
+    """Runs last in this module: it kills an engine and waits for serve-pair to start it again."""
+    ready_file, killed = fleet["ready_file"], fleet["engines"]["engine-1"]
     os.killpg(fleet["pids"]["engine-1"], signal.SIGKILL)  # the engine and its engine core, at once
-    for seed in range(4):  # some reach the router before its health check takes the engine out
-        consume(fleet, prompt(340 + seed, 40) + prompt(350, 30), max_tokens=4)  # each a recomputation's
-    ready_file = fleet["ready_file"]
-    deadline = time.monotonic() + 60
-    while set(read_ready_file(ready_file).engines) != {"engine-0"} and time.monotonic() < deadline:
+    served = []
+    for seed in range(4):  # each answered as a recomputation answers, by the engine left
+        tokens = prompt(340 + seed, 40) + prompt(350, 30)
+        served.append((tokens, consume(fleet, tokens, max_tokens=4)[0]))
+    assert _eventually(lambda: "engine-1" not in read_ready_file(ready_file).engines, 60)  # out at once
+
+    # serve-pair starts it again, warms it up with engine-0, and only then puts it back in the rotation.
+    assert _eventually(lambda: set(read_ready_file(ready_file).engines) == {"engine-0", "engine-1"}, 400)
+    info = read_ready_file(ready_file)
+    assert info.restarts["engine-1"] == 1 and info.pids["engine-1"] != fleet["pids"]["engine-1"]
+    assert killed in (RouterWorkers(fleet["router"]).urls() or set())
+    admin = open_admin(fleet["admin"])
+    for tokens, saved in served:  # a prompt engine-0 saved while engine-1 was down, now loaded by engine-1
+        assert wait_for_key(admin, saved.watermark_key, 60.0), saved.watermark_key
+        details, _ = consume({**fleet, "engine-1": killed}, tokens + prompt(360, 9), engine="engine-1", max_tokens=4)
+        if details.load_failure is None:  # one that met a first-transfer stall failed closed: the next
+            break
+    assert details.local_hit_tokens == 0 and details.external_hit_tokens == len(tokens), details
+
+
+def _eventually(condition: Callable[[], bool], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
         time.sleep(0.5)
-    assert set(read_ready_file(ready_file).engines) == {"engine-0"}  # serve-pair let it go, and serves on
+    return condition()

@@ -194,7 +194,7 @@ def test_the_warm_up_goes_on_until_every_engine_loaded_what_every_other_saved(tm
     cfg, said = _warmable(tmp_path, monkeypatch), []
     engines = ScriptedEngines(cfg, {("engine-0", "engine-2"): 2, ("engine-1", "engine-0"): 1})
     assert warm_fleet(cfg, said.append, ask=engines) == set()
-    assert not any(engines.stalls.values()) and said[-1].startswith("fleet warm")
+    assert not any(engines.stalls.values()) and said[-1].startswith("warm: every load went through")
 
 
 def test_a_pair_still_cold_at_the_deadline_is_said_and_the_fleet_serves_anyway(tmp_path, monkeypatch):
@@ -225,3 +225,14 @@ def test_a_fleet_defaults_to_a_standalone_store_and_the_pair_to_the_engines_segm
     assert PairOptions(engines=3).chosen_store == "standalone"  # no engine serves the others' transfers
     assert PairOptions(engines=3, connector="none").chosen_store == "embedded"  # none holds nothing
     assert PairOptions(engines=3, store="embedded").chosen_store == "embedded"  # what is given wins
+
+
+def test_an_engine_rejoining_is_warmed_up_both_ways_with_each_engine_serving_and_no_other_pair(tmp_path, monkeypatch):
+    from kvtool.pair.warmup import warm_engine
+
+    cfg, said = _warmable(tmp_path, monkeypatch), []
+    engines = ScriptedEngines(cfg, {("engine-1", "engine-2"): 1, ("engine-0", "engine-1"): 2})
+    assert warm_engine(cfg, "engine-1", ["engine-0", "engine-2"], said.append, ask=engines) == set()
+    assert not any(engines.stalls.values())
+    assert said[0] == "warming engine-1 up with the 2 engine(s) serving (4 pairs)"
+    assert warm_engine(cfg, "engine-1", [], said.append, ask=engines) == set()  # alone: nothing to warm

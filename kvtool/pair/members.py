@@ -1,0 +1,150 @@
+"""A fleet's engines leaving and joining the router's rotation while the fleet serves.
+
+An engine that ends (a crash, an OOM kill, an operator's ``kill``) or hangs is taken out of the
+router's rotation at once (``/remove_worker``: the router's own health checks would take a few
+seconds, each a request it may still send there), and the supervisor (``kvtool.pair.supervise``) starts
+it again on its own port after a back-off. The engine that comes back is a new Mooncake client: its
+first transfers with the store's segments can stall (README, known issues), so it rejoins only after
+its warm-up (``kvtool.pair.warmup.warm_engine``) went through with the engines serving, and then
+``/add_worker`` puts it back. The ready file lists the engines in the rotation only, and ``events``
+keeps when each left and joined (``kvtool bench --load --kill-engine-after`` reports TTFT by phase).
+
+Thread rules: ``on_supervisor`` runs on the supervisor's thread; each rejoin's warm-up on a thread of
+its own (it starts no process, so it may end before the engine does); ``_lock`` guards ``out`` and
+``events``, which the ready file's writer and the caller read from theirs.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvtool.pair.config import Reporter, ServePairConfig
+from kvtool.pair.router import RouterWorkers
+from kvtool.pair.supervise import Action, Backoff, Policy, Supervisor
+from kvtool.pair.warmup import warm_engine
+
+Warm = Callable[[ServePairConfig, str, Sequence[str], Reporter], set[tuple[str, str]]]
+
+
+def engine_policy(cfg: ServePairConfig) -> Policy:
+    """How the supervisor treats a fleet's engine: started again 2 s after it ends, up to a minute
+    apart when it keeps ending; given its whole start-up time (``--startup-timeout``) to pass its first
+    health check; taken for hung only after a minute of failed checks (a CPU engine in a long prefill
+    answers ``/health`` late, and killing a busy engine loses every request on it)."""
+    return Policy(
+        backoff=Backoff(initial_s=2.0, factor=2.0, max_s=60.0),
+        unhealthy_after_s=60.0,
+        min_failed_checks=20,
+        startup_grace_s=cfg.startup_timeout_s,
+        healthy_reset_s=120.0,
+    )
+
+
+@dataclass(frozen=True)
+class MemberEvent:
+    at: float  # time.monotonic()
+    engine: str
+    change: str  # "out": taken out of the rotation; "in": back in it, warm
+
+
+class FleetMembers:
+    """Which engines the router sends requests to, kept in step with the supervisor's restarts."""
+
+    def __init__(
+        self,
+        cfg: ServePairConfig,
+        router: RouterWorkers,
+        say: Reporter,
+        on_change: Callable[[], None],
+        warm: Warm | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.router = router
+        self.say = say
+        self.on_change = on_change  # the ready file is rewritten
+        self.warm = warm if warm is not None else warm_engine
+        self._lock = threading.Lock()
+        self._out: set[str] = set()
+        self._downs: dict[str, int] = {}  # engine -> times it went down: a rejoin outrun by another down stops
+        self._events: list[MemberEvent] = []
+        self._threads: list[threading.Thread] = []
+
+    @property
+    def out(self) -> frozenset[str]:
+        with self._lock:
+            return frozenset(self._out)
+
+    @property
+    def events(self) -> list[MemberEvent]:
+        with self._lock:
+            return list(self._events)
+
+    def serving(self) -> list[str]:
+        out = self.out
+        return [name for name in self.cfg.engine_names if name not in out]
+
+    def on_supervisor(self, name: str, action: Action) -> None:
+        """The supervisor's news of one of its processes; an engine's changes its membership."""
+        if name not in self.cfg.engine_names:
+            return
+        if action == "down":
+            self._take_out(name)
+        elif action == "recovered":
+            thread = threading.Thread(target=self._rejoin, args=(name,), name=f"kvtool-rejoin-{name}", daemon=True)
+            self._threads.append(thread)
+            thread.start()
+
+    def _take_out(self, name: str) -> None:
+        with self._lock:
+            self._downs[name] = self._downs.get(name, 0) + 1
+            if name in self._out:
+                return
+            self._out.add(name)
+            self._events.append(MemberEvent(time.monotonic(), name, "out"))
+        removed = self.router.remove(self.cfg.base_url(name))
+        how = "the router took it out" if removed else "the router did not answer; its health checks take it out"
+        self.say(f"{name} is out of the rotation ({how}); {len(self.serving())} engine(s) serve on")
+        self.on_change()
+
+    def _rejoin(self, name: str) -> None:
+        with self._lock:
+            downs = self._downs.get(name, 0)
+        others = [other for other in self.serving() if other != name]
+        try:
+            cold = self.warm(self.cfg, name, others, self.say)
+        except Exception as exc:  # noqa: BLE001 (a warm-up is a courtesy: its loads fail closed anyway)
+            self.say(f"{name}'s warm-up failed ({exc}); it rejoins cold: a stalled load is a miss")
+            cold = set()
+        if cold:
+            self.say(f"{name} rejoins with {len(cold)} path(s) still cold: such a load fails closed (a miss)")
+        with self._lock:
+            if self._downs.get(name, 0) != downs:
+                return  # it went down again while warming: the next recovery rejoins it
+        if not self.router.add(self.cfg.base_url(name)):
+            self.say(f"{name} could not be put back in the router's rotation (it did not answer); it stays out")
+            return
+        with self._lock:
+            self._out.discard(name)
+            self._events.append(MemberEvent(time.monotonic(), name, "in"))
+        self.say(f"{name} is back in the rotation: {len(self.serving())} engine(s) serve")
+        self.on_change()
+
+    def join_threads(self, timeout_s: float = 5.0) -> None:
+        for thread in self._threads:
+            thread.join(timeout_s)
+
+
+def supervise_engines(
+    cfg: ServePairConfig, supervisor: Supervisor, say: Reporter, on_change: Callable[[], None]
+) -> FleetMembers:
+    """Every engine of a serving fleet supervised (started again when it ends or hangs), out of the
+    router's rotation while down, back in once warm; the membership, for the ready file."""
+    assert cfg.router_url is not None
+    members = FleetMembers(cfg, RouterWorkers(cfg.router_url), say, on_change)
+    supervisor.on_event = members.on_supervisor
+    for name in cfg.engine_names:
+        supervisor.supervise(name, name, engine_policy(cfg), "warming it up before it rejoins the router's rotation")
+    return members
