@@ -80,5 +80,12 @@ def plan_answer_save(
     tracked.answer_last_key = last_put_key(keys, [ref for ref, _ in usable])
     stats.add("answer_saves")
     params = getattr(request, "kv_transfer_params", None) or {}
-    return RequestSave(request.request_id, transfers, tuple(found), prompt_tokens=computed,
-                       state_groups=keys.state_groups, tag=params.get("kvtool_tag"), answer=True)  # fmt: skip
+    return RequestSave(
+        request.request_id,
+        transfers,
+        tuple(found),
+        prompt_tokens=computed,
+        state_groups=keys.state_groups,
+        tag=params.get("kvtool_tag"),
+        answer=True,
+    )

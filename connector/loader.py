@@ -274,8 +274,14 @@ class Loader:
     def _fetcher(self, store: KVStore, entry: _InFlight, lease: Lease) -> Callable[[], Fetched]:
         def timed() -> Fetched:
             start = time.perf_counter()
-            fetched = fetch(store, entry.load.transfers, self._key_of, self._header_of, lease,
-                          lambda: _copying(entry, self._write_block, self._copies))  # fmt: skip
+            fetched = fetch(
+                store,
+                entry.load.transfers,
+                self._key_of,
+                self._header_of,
+                lease,
+                lambda: _copying(entry, self._write_block, self._copies),
+            )
             if fetched.failure is None:
                 fetched = replace(fetched, counts=_loaded_counts(entry.load, fetched))
             return replace(fetched, seconds=time.perf_counter() - start)

@@ -225,8 +225,12 @@ def probe_master(config: KVToolConfig) -> str | None:
     args = [mc.local_hostname, mc.metadata_server, 0, 1 << 20, mc.protocol, mc.device_name, address]  # lends nothing
     env = {**probe_limits(config), **os.environ}  # the operator's settings win
     try:
-        done = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(args)], capture_output=True, env=env,
-                              timeout=config.connect_timeout_s + _PROBE_START_S)  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-c", _PROBE, json.dumps(args)],
+            capture_output=True,
+            env=env,
+            timeout=config.connect_timeout_s + _PROBE_START_S,
+        )
     except subprocess.TimeoutExpired:
         return f"the Mooncake master at {address} accepts connections but did not answer a client's setup"
     except OSError as exc:
@@ -236,6 +240,9 @@ def probe_master(config: KVToolConfig) -> str | None:
         return f"a client's setup against the Mooncake master at {address} failed (exit {done.returncode})"
     if done.returncode != 0:
         said = done.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["nothing"]
-        logger.warning("kvtool: the master probe could not run (exit %d: %s); the client is set up unprobed",
-                       done.returncode, said[0][:300])  # fmt: skip
+        logger.warning(
+            "kvtool: the master probe could not run (exit %d: %s); the client is set up unprobed",
+            done.returncode,
+            said[0][:300],
+        )
     return None

@@ -108,8 +108,18 @@ class PromptKeys:
         packed = pack_tokens(tokens)  # checks every id (``UnkeyableTokens``)
         full = len(tokens) // block_size * block_size * 4
         chain = tuple(block_hashes(tokens, block_size, root, memoryview(packed)[:full]))
-        return cls(tokens, block_size, hash_unit, namespace, root, chain, groups, grid, lead_pointers and grid > 0,
-                   _packed=packed)  # fmt: skip
+        return cls(
+            tokens,
+            block_size,
+            hash_unit,
+            namespace,
+            root,
+            chain,
+            groups,
+            grid,
+            lead_pointers and grid > 0,
+            _packed=packed,
+        )
 
     @property
     def num_full_blocks(self) -> int:
@@ -148,10 +158,11 @@ class PromptKeys:
         if refs is None:
             prefix, bs, kind = object_key_prefix(self.namespace, group, KeyKind.BLOCK), self.block_size, KeyKind.BLOCK
             refs = self._blocks[group] = [
-                _new_ref(ObjectRef, (f"{prefix}{(i + 1) * bs}/{digest.hex()}", group, kind, i, i * bs, (i + 1) * bs,
-                                     digest))
+                _new_ref(
+                    ObjectRef, (f"{prefix}{(i + 1) * bs}/{digest.hex()}", group, kind, i, i * bs, (i + 1) * bs, digest)
+                )
                 for i, digest in enumerate(self.block_chain)
-            ]  # fmt: skip
+            ]
             self._by_key.update((ref.key, ref) for ref in refs)
         return refs
 
@@ -218,9 +229,18 @@ class PromptKeys:
         ref = self._refs.get((KeyKind.STATE, end, group))
         if ref is None:
             digest = self.chain_hash(end)
-            ref = self._keep((KeyKind.STATE, end, group), ObjectRef(
-                object_key(self.namespace, group, KeyKind.STATE, end, digest), group, KeyKind.STATE,
-                (end - 1) // self.block_size, 0, end, digest))  # fmt: skip
+            ref = self._keep(
+                (KeyKind.STATE, end, group),
+                ObjectRef(
+                    object_key(self.namespace, group, KeyKind.STATE, end, digest),
+                    group,
+                    KeyKind.STATE,
+                    (end - 1) // self.block_size,
+                    0,
+                    end,
+                    digest,
+                ),
+            )
         return ref
 
     def block_key(self, index: int, group: int = 0) -> str:

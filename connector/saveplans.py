@@ -14,8 +14,9 @@ def save_transfer(keys: PromptKeys, ref: ObjectRef, block_id: int) -> BlockTrans
     """A save object copied from ``block_id``, with the pointers to put after it."""
     pointers = tuple(keys.pointer_hashes(ref))
     token_ids = keys.tokens[ref.token_start : ref.token_end] if pointers else ()
-    return BlockTransfer(block_id, ref.kind, ref.token_start, ref.token_end, ref.chain_hash, ref.group, pointers,
-                         token_ids)  # fmt: skip
+    return BlockTransfer(
+        block_id, ref.kind, ref.token_start, ref.token_end, ref.chain_hash, ref.group, pointers, token_ids
+    )
 
 
 def last_put_key(keys: PromptKeys, saved: list[ObjectRef]) -> str:

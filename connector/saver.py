@@ -112,8 +112,16 @@ class SaveJob:
 
     def record(self) -> WatermarkRecord:
         save = self.save
-        return watermark(save.req_id, save.tag, save.prompt_tokens, self.objects, time.time(), save.last_block_key,
-                         save.tail_key, save.state_groups)  # fmt: skip
+        return watermark(
+            save.req_id,
+            save.tag,
+            save.prompt_tokens,
+            self.objects,
+            time.time(),
+            save.last_block_key,
+            save.tail_key,
+            save.state_groups,
+        )
 
     def settle(self, transfer_number: int, outcome: str) -> None:
         index = self._index[transfer_number]

@@ -65,8 +65,9 @@ class SchedulerSide:
         self._pending_saves: list[RequestSave] = []  # answer saves, sent with the next step's metadata
         self._holding: set[str] = set()  # finished requests whose blocks an answer save holds
         lead = lead_pointers(config, self._block_size) and not self._has_state_group  # a state takes no extension
-        self._space = KeySpace(self._block_size, config.hash_unit, self._namespace, self._groups, self._grid, lead,
-                               mm_named_by_content)  # fmt: skip
+        self._space = KeySpace(
+            self._block_size, config.hash_unit, self._namespace, self._groups, self._grid, lead, mm_named_by_content
+        )
         self._tracked: dict[str, TrackedRequest] = {}
         self._ranks = rank_components(namespace)  # every TP rank's namespace, rank 0 (this side's) first
         self._pending_loads: list[RequestLoad] = []

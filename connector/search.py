@@ -183,9 +183,9 @@ def find_stored_prefixes(
         if read is not None and not pointers.unread:
             tokens, hit, extended = _extend(keys, (tokens, hit), found, pointers, extend_min_tokens)
         queries = (2 if inner else 1) + calls
-        results.append(StoredPrefix(
-            keys.block_size, tokens, hit, found, queries, pointers.targets, pointers.unread, extended
-        ))  # fmt: skip
+        results.append(
+            StoredPrefix(keys.block_size, tokens, hit, found, queries, pointers.targets, pointers.unread, extended)
+        )
     return results
 
 
@@ -365,14 +365,22 @@ def _named(keys: PromptKeys, pointer: ObjectRef, record: bytes) -> tuple[ObjectR
     while common < len(ids) and start + common < len(keys.tokens) and ids[common] == keys.tokens[start + common]:
         common += 1
     key = object_key(keys.namespace, pointer.group, named.target_kind, named.target_end, named.target_hash)
-    target = ObjectRef(key, pointer.group, named.target_kind, pointer.block_index, pointer.token_start,
-                       named.target_end, named.target_hash)  # fmt: skip
+    target = ObjectRef(
+        key,
+        pointer.group,
+        named.target_kind,
+        pointer.block_index,
+        pointer.token_start,
+        named.target_end,
+        named.target_hash,
+    )
     return target, start + common
 
 
 def _verified(keys: PromptKeys, pointer: ObjectRef, record: bytes) -> PointerRecord | None:
     try:
-        return verify_pointer(record, keys.namespace, pointer.chain_hash, pointer.group, pointer.token_end,
-                              keys.block_size)  # fmt: skip
+        return verify_pointer(
+            record, keys.namespace, pointer.chain_hash, pointer.group, pointer.token_end, keys.block_size
+        )
     except ObjectRejected:
         return None

@@ -144,8 +144,9 @@ class ServedIndex:
             ends = self._keys.inner_candidates(block)
             first_stored: list[ObjectRef | None] = [None] * (len(ends) + 1)
             for position in range(len(ends) - 1, -1, -1):
-                stored = next((ref for ref in self._keys._inner_refs(ends[position], group)
-                               if ref.key in self._present), None)  # fmt: skip
+                stored = next(
+                    (ref for ref in self._keys._inner_refs(ends[position], group) if ref.key in self._present), None
+                )
                 first_stored[position] = stored if stored is not None else first_stored[position + 1]
             found = self._inner[(group, block)] = (ends, first_stored[: len(ends)])
         return found

@@ -111,8 +111,10 @@ class TimedStore:
         if not self._calls.wait_idle(CLOSE_WAIT_S):
             # A call past its time-out still runs inside the client library: closing the client under it
             # could crash the engine's process. Left open, it goes with the process.
-            logger.warning("kvtool: %d store calls have not returned; the store client is left open until "
-                           "the process exits", self._calls.in_flight)  # fmt: skip
+            logger.warning(
+                "kvtool: %d store calls have not returned; the store client is left open until the process exits",
+                self._calls.in_flight,
+            )
             return
         self._store.close()
 

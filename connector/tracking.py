@@ -50,8 +50,9 @@ class KeySpace:
     mm_named_by_content: bool = True
 
     def keys(self, tokens: list[int] | tuple[int, ...], root: bytes) -> PromptKeys:
-        return PromptKeys.build(tokens, self.block_size, self.hash_unit, self.namespace, root, self.groups, self.grid,
-                                self.lead_pointers)  # fmt: skip
+        return PromptKeys.build(
+            tokens, self.block_size, self.hash_unit, self.namespace, root, self.groups, self.grid, self.lead_pointers
+        )
 
 
 def request_keys(request: Request, space: KeySpace) -> tuple[PromptKeys, str | None]:

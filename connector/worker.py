@@ -222,7 +222,7 @@ class WorkerSide:
                         transfer.token_end,
                         transfer.chain_hash,
                         transfer.token_ids[boundary - transfer.token_start :],
-                    )  # fmt: skip
+                    )
                 ),
             )
             for boundary, digest in transfer.pointers

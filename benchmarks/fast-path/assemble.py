@@ -151,32 +151,45 @@ def peer_fields(docs: list[dict[str, Any] | None]) -> dict[str, Any]:
             {name: run["buckets"] for name, run in runs.items()}, "kvtool no higher than the best peer", None, source
         ),
         "consumer_ttft_ms_p50": field(
-            {name: run["ttft_ms_p50"] for name, run in runs.items()}, "kvtool no higher than the best peer",
-            lowest(kvtool["ttft_ms_p50"], [run["ttft_ms_p50"] for run in others.values()]), source,
+            {name: run["ttft_ms_p50"] for name, run in runs.items()},
+            "kvtool no higher than the best peer",
+            lowest(kvtool["ttft_ms_p50"], [run["ttft_ms_p50"] for run in others.values()]),
+            source,
         ),
         "consumer_engine_ttft_ms_p50": field(
             {name: run["engine_ttft_ms_p50"] for name, run in runs.items()},
             "kvtool no higher than any other (none included; vLLM's own TTFT: no HTTP)",
-            lowest(kvtool["engine_ttft_ms_p50"], [run["engine_ttft_ms_p50"] for run in others.values()]), source,
+            lowest(kvtool["engine_ttft_ms_p50"], [run["engine_ttft_ms_p50"] for run in others.values()]),
+            source,
         ),
         "consumer_ttft_ms_p50_by_workload": field(
-            by_workload, "kvtool no higher than any other (none included) on every workload", workloads_met, source,
+            by_workload,
+            "kvtool no higher than any other (none included) on every workload",
+            workloads_met,
+            source,
             "the pairs one after another, before --interleave and before the cost model judged the bench model's "
             "hits: each connector's TTFT follows the minutes it ran in; interleaved_consumer_ttft_ms_p50_by_workload "
             "measures the same goal with every request of both pairs in the same minutes",
         ),
         "consumer_engine_ttft_ms_p50_by_workload": field(
-            {workload: {name: run["engine_workloads"].get(workload) for name, run in runs.items()}
-             for workload in kvtool["workloads"]},
-            "none (what the consumer's vLLM measured, without HTTP: beside the goal above)", None, source,
+            {
+                workload: {name: run["engine_workloads"].get(workload) for name, run in runs.items()}
+                for workload in kvtool["workloads"]
+            },
+            "none (what the consumer's vLLM measured, without HTTP: beside the goal above)",
+            None,
+            source,
         ),
         "efficiency": field(
-            {name: round(run["efficiency"], 4) for name, run in runs.items()}, "kvtool >= 0.99",
-            kvtool.get("efficiency", 0) >= 0.99, source,
+            {name: round(run["efficiency"], 4) for name, run in runs.items()},
+            "kvtool >= 0.99",
+            kvtool.get("efficiency", 0) >= 0.99,
+            source,
         ),
-        "mismatches": field({name: run["mismatches"] for name, run in runs.items()}, "0", kvtool.get("mismatches") == 0,
-                            source),
-    }  # fmt: skip
+        "mismatches": field(
+            {name: run["mismatches"] for name, run in runs.items()}, "0", kvtool.get("mismatches") == 0, source
+        ),
+    }
 
 
 def interleaved_fields(
@@ -187,8 +200,11 @@ def interleaved_fields(
     requests share every stretch of the machine's drift: the goal judged in the same run, per peer.
     ``runs``: (label, document) per run, the label naming its peer (and its workloads, where a peer has
     several runs)."""
-    runs = [(label, doc) for label, doc in runs
-            if doc is not None and "kvtool" in doc["connectors"] and len(doc["connectors"]) == 2]  # fmt: skip
+    runs = [
+        (label, doc)
+        for label, doc in runs
+        if doc is not None and "kvtool" in doc["connectors"] and len(doc["connectors"]) == 2
+    ]
     if not runs:
         return {}
     source = source or INTERLEAVED_SOURCE
@@ -224,23 +240,32 @@ def interleaved_fields(
 
     return {
         f"{prefix}_consumer_ttft_ms_p50": field(
-            overall, "kvtool no higher than each peer in the same interleaved run (client TTFT; engine beside it)",
-            all(no_higher(pair) for pair in overall.values()), source,
+            overall,
+            "kvtool no higher than each peer in the same interleaved run (client TTFT; engine beside it)",
+            all(no_higher(pair) for pair in overall.values()),
+            source,
         ),
         f"{prefix}_consumer_ttft_ms_p50_by_workload": field(
-            by_workload, "kvtool no higher than each peer on every workload, in the same interleaved run",
-            all(no_higher(pair) for rows in by_workload.values() for pair in rows.values()), source,
+            by_workload,
+            "kvtool no higher than each peer on every workload, in the same interleaved run",
+            all(no_higher(pair) for rows in by_workload.values() for pair in rows.values()),
+            source,
         ),
         f"{prefix}_consumer_engine_ttft_ms_p50_by_workload": field(
-            engine_by_workload, "none (the consumer's vLLM's own TTFT, without HTTP: beside the goal above)", None,
-            source, higher_cells(engine_by_workload, no_higher),
+            engine_by_workload,
+            "none (the consumer's vLLM's own TTFT, without HTTP: beside the goal above)",
+            None,
+            source,
+            higher_cells(engine_by_workload, no_higher),
         ),
         f"{prefix}_efficiency_and_mismatches": field(
-            efficiency, "kvtool >= 0.99 (hits taken over the ideal) and 0 mismatches in every run",
+            efficiency,
+            "kvtool >= 0.99 (hits taken over the ideal) and 0 mismatches in every run",
             all(e["kvtool"]["efficiency"] >= 0.99 and e["kvtool"]["mismatches"] == 0 for e in efficiency.values()),
-            source, "found_efficiency: the hits and what the cost model declined as costing more than they save",
+            source,
+            "found_efficiency: the hits and what the cost model declined as costing more than they save",
         ),
-    }  # fmt: skip
+    }
 
 
 def answers_runs() -> list[tuple[str, dict[str, Any] | None]]:
@@ -254,8 +279,12 @@ def answers_runs() -> list[tuple[str, dict[str, Any] | None]]:
 
 def higher_cells(table: dict[str, dict[str, dict[str, Any]]], no_higher: Callable[[dict[str, Any], str], bool]) -> str:
     """Where kvtool's value is above the peer's in a per-peer, per-workload table, said in one line."""
-    cells = [f"{workload} against {peer}" for peer, rows in table.items() for workload, pair in rows.items()
-             if not no_higher(pair, peer)]  # fmt: skip
+    cells = [
+        f"{workload} against {peer}"
+        for peer, rows in table.items()
+        for workload, pair in rows.items()
+        if not no_higher(pair, peer)
+    ]
     return "kvtool's higher on: " + "; ".join(cells) if cells else "kvtool's no higher on any workload of any run"
 
 
@@ -299,10 +328,14 @@ def producer_fields(runs: list[dict[str, Any]]) -> dict[str, Any]:
         )
     engine = geometric_mean([r[0] for r in by_run])
     client = geometric_mean([r[1] for r in by_run])
-    note = "serial producer requests, each a new prompt (a miss): none's producer p50 over kvtool's by vLLM's own " \
-        "latency; the geometric mean of " + "; ".join(
+    note = (
+        "serial producer requests, each a new prompt (a miss): none's producer p50 over kvtool's by vLLM's own "
+        "latency; the geometric mean of "
+        + "; ".join(
             f"--compare {order}: {value} ({none_ms:.1f} / {kvtool_ms:.1f} ms)"
-            for value, _, order, none_ms, kvtool_ms in by_run)  # fmt: skip
+            for value, _, order, none_ms, kvtool_ms in by_run
+        )
+    )
     client_note = "the same by the client's latency: " + ", ".join(str(r[1]) for r in by_run)
     return {
         "producer_throughput_vs_none": field(engine, ">= 0.97", engine is not None and engine >= 0.97, source, note),
@@ -327,9 +360,11 @@ def stream_fields(gaps: dict[str, Any] | None) -> dict[str, Any]:
         return {"stream_gap_vs_none": field(None, "<= 1.2", None, source, "not run")}
     value = gaps["stream_gap_vs_none"]
     config = gaps["configuration"]
-    note = (f"worst inter-token gap of a decoding stream while {config['savers']} requests of "
-            f"{config['prompt_tokens']} tokens are prefilled and saved: kvtool {gaps['kvtool']['gap_ms_max']} ms, "
-            f"none {gaps['none']['gap_ms_max']} ms (p99 {gaps['stream_gap_p99_vs_none']}x)")  # fmt: skip
+    note = (
+        f"worst inter-token gap of a decoding stream while {config['savers']} requests of "
+        f"{config['prompt_tokens']} tokens are prefilled and saved: kvtool {gaps['kvtool']['gap_ms_max']} ms, "
+        f"none {gaps['none']['gap_ms_max']} ms (p99 {gaps['stream_gap_p99_vs_none']}x)"
+    )
     return {"stream_gap_vs_none": field(value, "<= 1.2", value <= 1.2, source, note)}
 
 
@@ -343,7 +378,7 @@ def main() -> None:
                 (path.stem.removeprefix("kvtool-vs-"), load(path))
                 for path in sorted(INTERLEAVED.glob("kvtool-vs-*.json"))
             ]
-        ),  # fmt: skip
+        ),
         **interleaved_fields(answers_runs(), "interleaved_answers_and_trace256", ANSWERS_SOURCE),
         **producer_fields([load(HERE / "producer.json"), load(HERE / "producer-none-first.json")]),
         **capacity_fields(load(HERE.parent / "capacity-pressure" / "results.json")),

@@ -121,7 +121,7 @@ def main() -> None:
             "pause_s": args.pause_s,
             "seed": args.seed,
             "machine_cpus": os.cpu_count(),
-        },  # fmt: skip
+        },
         "ttft_ms_p50": p50,
         "miss_ttft_vs_none": ratio,
         "ttft_ms": {c: {str(length): [round(x, 1) for x in v] for length, v in by.items()} for c, by in ttft.items()},

@@ -49,8 +49,15 @@ from kvtool.store.master import LocalMaster  # noqa: E402
 from published import provenance, write_result  # noqa: E402 - the sibling module
 
 LAYERS, HEADS, DIM, BLOCK = 32, 8, 128, 16
-NS = Namespace(model="bench", dtype="bfloat16", kv_layout="bench", block_size=BLOCK, num_layers=LAYERS,
-               num_kv_heads=HEADS, head_size=DIM)  # fmt: skip
+NS = Namespace(
+    model="bench",
+    dtype="bfloat16",
+    kv_layout="bench",
+    block_size=BLOCK,
+    num_layers=LAYERS,
+    num_kv_heads=HEADS,
+    head_size=DIM,
+)
 OWNER = """
 import os, sys, time
 os.environ["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"
@@ -63,8 +70,13 @@ sys.stdin.read()  # lend the segment until the benchmark closes stdin
 
 
 def segment_owner(master: str, nbytes: int) -> subprocess.Popen:
-    owner = subprocess.Popen([sys.executable, "-c", OWNER, master, str(nbytes)], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)  # fmt: skip
+    owner = subprocess.Popen(
+        [sys.executable, "-c", OWNER, master, str(nbytes)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     if owner.stdout.readline().strip() != "0":
         raise RuntimeError("the segment owner could not join the store")
     return owner
@@ -83,8 +95,10 @@ def engine(config, blocks: int, device: str = "cpu") -> tuple[WorkerSide, dict[s
 def save_of(round_number: int, blocks: int) -> RequestSave:
     tokens = [(round_number * 7919 + i) % 50_000 for i in range(blocks * BLOCK)]
     keys = PromptKeys.build(tokens, BLOCK, 1, NS.key_component(), round_number.to_bytes(16, "little"))
-    transfers = tuple(BlockTransfer(ref.block_index + 1, ref.kind, ref.token_start, ref.token_end, ref.chain_hash)
-                      for ref in plan_save(keys))  # fmt: skip
+    transfers = tuple(
+        BlockTransfer(ref.block_index + 1, ref.kind, ref.token_start, ref.token_end, ref.chain_hash)
+        for ref in plan_save(keys)
+    )
     return RequestSave(f"save-{round_number}", transfers, prompt_tokens=len(tokens), checkpoint=True)
 
 
@@ -190,17 +204,28 @@ def measure(blocks: int, rounds: int, device: str = "cpu") -> dict:
     segment = int((2 * rounds + 2) * total / 0.75)  # below the master's eviction high watermark (0.9)
     owner = segment_owner(master, segment)
     try:
-        config = load_config({"master_server_address": master, "global_segment_size": 0,
-                              "save_buffer_bytes": total, "load_buffer_bytes": total, "load_timeout_s": 60,
-                              "save_timeout_s": 60})  # fmt: skip
+        config = load_config(
+            {
+                "master_server_address": master,
+                "global_segment_size": 0,
+                "save_buffer_bytes": total,
+                "load_buffer_bytes": total,
+                "load_timeout_s": 60,
+                "save_timeout_s": 60,
+            }
+        )
         side, _ = engine(config, blocks, device)
         raw = Raw(side._store._store._client, blocks, object_bytes)  # noqa: SLF001 - the same client
         raw.touch_segment(segment)
         spent: dict[str, list[float]] = {"raw_put": [], "connector_save": [], "raw_get": [], "connector_load": []}
         for number in range(rounds + 1):  # round 0 warms every path up (first-touch pages, connections)
             save = save_of(number, blocks)
-            times = {"raw_put": raw.put(number), "connector_save": connector_save(side, save),
-                     "raw_get": raw.get(number), "connector_load": connector_load(side, save)}  # fmt: skip
+            times = {
+                "raw_put": raw.put(number),
+                "connector_save": connector_save(side, save),
+                "raw_get": raw.get(number),
+                "connector_load": connector_load(side, save),
+            }
             for name, seconds in times.items():
                 if number:
                     spent[name].append(seconds)

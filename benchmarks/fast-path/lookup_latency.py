@@ -44,11 +44,24 @@ def publish(store, keys: PromptKeys) -> None:
     saved = plan_save(keys)
     store.put_many([(ref.key, b"\0" * (HEADER_SIZE + 64)) for ref in saved])
     pointers = [
-        (p.key, encode_pointer(PointerRecord(FINGERPRINT, p.chain_hash, p.group, p.token_end, ref.kind, ref.token_end,
-                                             ref.chain_hash, keys.tokens[p.token_end : ref.token_end])))
+        (
+            p.key,
+            encode_pointer(
+                PointerRecord(
+                    FINGERPRINT,
+                    p.chain_hash,
+                    p.group,
+                    p.token_end,
+                    ref.kind,
+                    ref.token_end,
+                    ref.chain_hash,
+                    keys.tokens[p.token_end : ref.token_end],
+                )
+            ),
+        )
         for ref in saved
         for p in keys.pointers_inside(ref)
-    ]  # fmt: skip
+    ]
     if pointers:
         store.put_many(pointers, replace=True)
 

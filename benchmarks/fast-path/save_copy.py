@@ -30,9 +30,16 @@ LAYERS, HEADS, DIM, BLOCK = 32, 8, 128, 32
 
 def header(payload_len: int, crc: int = 0) -> ObjectHeader:
     return ObjectHeader(
-        namespace_fingerprint=b"\0" * 16, chain_hash=b"\1" * 16, kind=KeyKind.BLOCK, dtype="bfloat16",
-        num_layers=LAYERS, token_start=0, token_end=BLOCK, payload_len=payload_len, payload_crc=crc,
-    )  # fmt: skip
+        namespace_fingerprint=b"\0" * 16,
+        chain_hash=b"\1" * 16,
+        kind=KeyKind.BLOCK,
+        dtype="bfloat16",
+        num_layers=LAYERS,
+        token_start=0,
+        token_end=BLOCK,
+        payload_len=payload_len,
+        payload_crc=crc,
+    )
 
 
 def before(layers: list[torch.Tensor], block: int) -> bytes:
@@ -50,8 +57,15 @@ def main() -> None:
     layers = [torch.randn(blocks, 2, BLOCK, HEADS * DIM).to(torch.bfloat16) for _ in range(LAYERS)]
     group_bytes = sum(t[0].numel() * t.element_size() for t in layers)
     # The worker's copy, called as the step calls it, into slots of a save area.
-    namespace = Namespace(model="bench", dtype="bfloat16", kv_layout="bench", block_size=BLOCK, num_layers=LAYERS,
-                          num_kv_heads=HEADS, head_size=DIM)  # fmt: skip
+    namespace = Namespace(
+        model="bench",
+        dtype="bfloat16",
+        kv_layout="bench",
+        block_size=BLOCK,
+        num_layers=LAYERS,
+        num_kv_heads=HEADS,
+        head_size=DIM,
+    )
     side = WorkerSide(namespace, None, KVToolConfig(master_server_address="127.0.0.1:1"), saves_enabled=False)
     names = [f"layer{i}" for i in range(LAYERS)]
     side.register_kv_caches(dict(zip(names, layers, strict=True)), [names], blocks)

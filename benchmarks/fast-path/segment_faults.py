@@ -110,8 +110,15 @@ def connector_saves(config, count: int) -> dict[str, float]:
     from connector.store import open_store
     from connector.worker import WORKER_STORE_CALLS, WorkerSide
 
-    ns = Namespace(model="bench", dtype="float32", kv_layout="bench", block_size=BLOCK, num_layers=LAYERS,
-                   num_kv_heads=HEADS, head_size=DIM)  # fmt: skip
+    ns = Namespace(
+        model="bench",
+        dtype="float32",
+        kv_layout="bench",
+        block_size=BLOCK,
+        num_layers=LAYERS,
+        num_kv_heads=HEADS,
+        head_size=DIM,
+    )
     blocks = 41  # saves take their blocks in turn: what they hold does not matter here
     caches = {f"layer.{i}": torch.randn((blocks, 2, HEADS, BLOCK, DIM)) for i in range(LAYERS)}
     side = WorkerSide(ns, open_store(config, call_threads=WORKER_STORE_CALLS), config, saves_enabled=True)
@@ -122,8 +129,9 @@ def connector_saves(config, count: int) -> dict[str, float]:
     rng, area = random.Random(0), side._saver.area  # noqa: SLF001 - a save has ended when its slots are back
 
     def save(i: int) -> None:
-        keys = PromptKeys.build([rng.randrange(10, 1000) for _ in range(TOKENS)], BLOCK, 1, ns.key_component(),
-                                bytes(16))  # fmt: skip
+        keys = PromptKeys.build(
+            [rng.randrange(10, 1000) for _ in range(TOKENS)], BLOCK, 1, ns.key_component(), bytes(16)
+        )
         transfers = tuple(save_transfer(keys, ref, 1 + (4 * i + n) % 40) for n, ref in enumerate(plan_save(keys)))
         side.wait_for_save(KVToolMetadata(saves=[RequestSave(f"r{i}", transfers, prompt_tokens=TOKENS)]))
         side.before_step()
@@ -139,15 +147,32 @@ def connector_saves(config, count: int) -> dict[str, float]:
 def child(args: argparse.Namespace) -> None:
     from connector.config import load_config
 
-    config = load_config({"master_server_address": args.master, "global_segment_size": args.segment_mib << 20,
-                          "prefault_segment": args.prefault == "on"})  # fmt: skip
+    config = load_config(
+        {
+            "master_server_address": args.master,
+            "global_segment_size": args.segment_mib << 20,
+            "prefault_segment": args.prefault == "on",
+        }
+    )
     measure = raw_puts if args.path == "raw" else connector_saves
     print(json.dumps(measure(config, args.puts)), flush=True)
 
 
 def run_child(args: argparse.Namespace, master: str, path: str, prefault: str) -> dict[str, float]:
-    argv = [sys.executable, __file__, "--child", path, "--prefault", prefault, "--master", master,
-            "--puts", str(args.puts), "--segment-mib", str(args.segment_mib)]  # fmt: skip
+    argv = [
+        sys.executable,
+        __file__,
+        "--child",
+        path,
+        "--prefault",
+        prefault,
+        "--master",
+        master,
+        "--puts",
+        str(args.puts),
+        "--segment-mib",
+        str(args.segment_mib),
+    ]
     done = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=600)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode or not lines:
@@ -178,10 +203,15 @@ def main() -> None:
                     by_setting[prefault].append(run_child(args, master.address, path, prefault))
     finally:
         master.stop()
-    median = {path: {setting: {name: round(statistics.median(run[name] for run in measured), 3)
-                               for name in ("cpu_ms", "wall_ms")}
-                     for setting, measured in by_setting.items()}
-              for path, by_setting in runs.items()}  # fmt: skip
+    median = {
+        path: {
+            setting: {
+                name: round(statistics.median(run[name] for run in measured), 3) for name in ("cpu_ms", "wall_ms")
+            }
+            for setting, measured in by_setting.items()
+        }
+        for path, by_setting in runs.items()
+    }
     result = {
         "what": "CPU and wall ms per put (raw: 4 x 640 KiB) and per 100-token save (connector) into a fresh segment",
         "median_of_rounds": median,
@@ -189,12 +219,20 @@ def main() -> None:
         "runs": runs,
         "configuration": {
             "command": " ".join([Path(sys.executable).name, *sys.argv]),
-            "segment_mib": args.segment_mib, "puts": args.puts, "rounds": args.rounds,
-            "save": {"layers": LAYERS, "kv_heads": HEADS, "head_size": DIM, "block": BLOCK, "tokens": TOKENS,
-                     "dtype": "float32"},
+            "segment_mib": args.segment_mib,
+            "puts": args.puts,
+            "rounds": args.rounds,
+            "save": {
+                "layers": LAYERS,
+                "kv_heads": HEADS,
+                "head_size": DIM,
+                "block": BLOCK,
+                "tokens": TOKENS,
+                "dtype": "float32",
+            },
             **provenance(),
         },
-    }  # fmt: skip
+    }
     write_result(result, args.out)
 
 

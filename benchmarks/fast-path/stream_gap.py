@@ -45,15 +45,24 @@ def child(args: argparse.Namespace) -> None:
     transfer = None
     if args.connector == "kvtool":
         transfer = {
-            "kv_connector": "KVToolConnector", "kv_connector_module_path": "connector.connector",
+            "kv_connector": "KVToolConnector",
+            "kv_connector_module_path": "connector.connector",
             "kv_role": "kv_producer",
-            "kv_connector_extra_config": {"master_server_address": args.master,
-                                          "global_segment_size": args.segment_mib << 20},
-        }  # fmt: skip
+            "kv_connector_extra_config": {
+                "master_server_address": args.master,
+                "global_segment_size": args.segment_mib << 20,
+            },
+        }
     llm = LLM(
-        model=args.model, dtype="float32", block_size=32, max_model_len=args.prompt_tokens + 1024,
-        max_num_batched_tokens=args.chunk, enforce_eager=True, seed=0, kv_transfer_config=transfer,
-    )  # fmt: skip
+        model=args.model,
+        dtype="float32",
+        block_size=32,
+        max_model_len=args.prompt_tokens + 1024,
+        max_num_batched_tokens=args.chunk,
+        enforce_eager=True,
+        seed=0,
+        kv_transfer_config=transfer,
+    )
     engine = llm.llm_engine
     rng = random.Random(args.seed)
     warm = [rng.randrange(10, 1000) for _ in range(args.chunk + 100)]  # a chunked prefill, then decode
@@ -154,12 +163,16 @@ def main() -> None:
     result["stream_gap_round_median_vs_none"] = round(medians["kvtool"] / medians["none"], 3)
     result["configuration"] = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "model": args.model, "savers": args.savers, "prompt_tokens": args.prompt_tokens,
-        "max_num_batched_tokens": args.chunk, "rounds": args.rounds, "tail_s": args.tail_s,
+        "model": args.model,
+        "savers": args.savers,
+        "prompt_tokens": args.prompt_tokens,
+        "max_num_batched_tokens": args.chunk,
+        "rounds": args.rounds,
+        "tail_s": args.tail_s,
         "kvtool": "kv_producer, block 32, hash unit 1, embedded store (the engine lends "
-                  f"{args.segment_mib} MiB), loopback master",
+        f"{args.segment_mib} MiB), loopback master",
         **provenance(),
-    }  # fmt: skip
+    }
     write_result(result, args.out)
 
 

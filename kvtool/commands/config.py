@@ -74,8 +74,14 @@ def validate_command(output_options: OutputOptions, file: FileArg, kind: KindOpt
     rows = [{"file": str(file), "kind": checked.kind, "fields": len(checked.content), "verdict": "valid"}]
     payload = {"file": str(file), "kind": checked.kind, "valid": True, "notes": list(checked.notes)}
     notes: list[Any] = list(checked.notes)
-    emit(Report([ReportTable("kvtool config validate", ["file", "kind", "fields", "verdict"], rows)], notes=notes,
-                payload=payload), output_options)  # fmt: skip
+    emit(
+        Report(
+            [ReportTable("kvtool config validate", ["file", "kind", "fields", "verdict"], rows)],
+            notes=notes,
+            payload=payload,
+        ),
+        output_options,
+    )
 
 
 @config_app.command("show", epilog=EXIT_CODES_EPILOG)

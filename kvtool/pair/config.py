@@ -105,8 +105,9 @@ class ServePairConfig(BaseModel):
     def effective_divergence_grid(self) -> int:
         """The kvtool connector's pointer grid on these engines (connector.config.divergence_grid)."""
         grid = "auto" if self.divergence_grid is None else self.divergence_grid
-        return divergence_grid(KVToolConfig(master_server_address="127.0.0.1:1", divergence_grid=grid),
-                               self.effective_block_size)  # fmt: skip
+        return divergence_grid(
+            KVToolConfig(master_server_address="127.0.0.1:1", divergence_grid=grid), self.effective_block_size
+        )
 
     @property
     def uses_mooncake(self) -> bool:

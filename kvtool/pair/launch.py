@@ -76,21 +76,38 @@ def start_mooncake(cfg: ServePairConfig, procs: ProcessSet, say: Reporter) -> di
         )
     wanted = []  # in order: the store registers with the master
     if cfg.starts_master:
-        wanted.append((
-            "master", MASTER_LABEL, f"on {cfg.master_address} (admin {admin_url_for(cfg)})",
-            master_argv(cfg.master_port, cfg.admin_port, find_binary("mooncake_master")),
-            ReadinessCheck(http_url=f"{admin_url_for(cfg)}/health"), 30,
-        ))  # fmt: skip
+        wanted.append(
+            (
+                "master",
+                MASTER_LABEL,
+                f"on {cfg.master_address} (admin {admin_url_for(cfg)})",
+                master_argv(cfg.master_port, cfg.admin_port, find_binary("mooncake_master")),
+                ReadinessCheck(http_url=f"{admin_url_for(cfg)}/health"),
+                30,
+            )
+        )
     if cfg.starts_store:
-        wanted.append((
-            "store", STORE_LABEL, f"on {LOOPBACK}:{cfg.store_port}",
-            store_argv(cfg, find_binary("mooncake_client")), ReadinessCheck(tcp_port=cfg.store_port), 60,
-        ))  # fmt: skip
+        wanted.append(
+            (
+                "store",
+                STORE_LABEL,
+                f"on {LOOPBACK}:{cfg.store_port}",
+                store_argv(cfg, find_binary("mooncake_client")),
+                ReadinessCheck(tcp_port=cfg.store_port),
+                60,
+            )
+        )
     if cfg.starts_lmcache:
-        wanted.append((
-            "lmcache", LMCACHE_LABEL, f"on {LOOPBACK}:{cfg.store_port}",
-            lmcache_argv(cfg, lmcache_binary()), ReadinessCheck(tcp_port=cfg.store_port), 120,
-        ))  # fmt: skip
+        wanted.append(
+            (
+                "lmcache",
+                LMCACHE_LABEL,
+                f"on {LOOPBACK}:{cfg.store_port}",
+                lmcache_argv(cfg, lmcache_binary()),
+                ReadinessCheck(tcp_port=cfg.store_port),
+                120,
+            )
+        )
     for name, label, where, argv, readiness, timeout_s in wanted:
         say(f"starting {label} {where}")
         procs.wait_ready([procs.start(name, argv, env=mooncake_env(), readiness=readiness)], timeout_s=timeout_s)

@@ -109,9 +109,23 @@ class LocalEtcd:
             raise ServerError("etcd is not installed; install Debian's etcd-server (scripts/setup does)")
         self._dir = Path(tempfile.mkdtemp(prefix="kvtool-etcd-"))
         client, peer = f"http://{self.endpoint}", f"http://{LOOPBACK}:{self.peer_port}"
-        argv = [binary, "--name", "kvtool", "--data-dir", str(self._dir / "data"), "--listen-client-urls", client,
-                "--advertise-client-urls", client, "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-                "--initial-cluster", f"kvtool={peer}"]  # fmt: skip
+        argv = [
+            binary,
+            "--name",
+            "kvtool",
+            "--data-dir",
+            str(self._dir / "data"),
+            "--listen-client-urls",
+            client,
+            "--advertise-client-urls",
+            client,
+            "--listen-peer-urls",
+            peer,
+            "--initial-advertise-peer-urls",
+            peer,
+            "--initial-cluster",
+            f"kvtool={peer}",
+        ]
         self._procs = ProcessSet(self._dir)
         etcd = self._procs.start("etcd", argv, readiness=ReadinessCheck(f"{client}/health"))
         try:

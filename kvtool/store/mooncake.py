@@ -107,13 +107,28 @@ def lmcache_argv(cfg: ServePairConfig, binary: str = "lmcache") -> list[str]:
     """LMCache's multiprocess KV server on loopback: chunks of one block (it reuses whole chunks), its
     requests on --store-port and its HTTP admin API (no authentication) on --admin-port, both 127.0.0.1."""
     return [
-        binary, "server", "--host", LOOPBACK, "--port", str(cfg.store_port),
-        "--chunk-size", str(cfg.effective_block_size), "--l1-size-gb", str(LMCACHE_L1_GIB),
-        "--eviction-policy", "LRU", "--http-host", LOOPBACK, "--http-port", str(cfg.admin_port),
-        "--disable-observability", "--disable-metrics",
+        binary,
+        "server",
+        "--host",
+        LOOPBACK,
+        "--port",
+        str(cfg.store_port),
+        "--chunk-size",
+        str(cfg.effective_block_size),
+        "--l1-size-gb",
+        str(LMCACHE_L1_GIB),
+        "--eviction-policy",
+        "LRU",
+        "--http-host",
+        LOOPBACK,
+        "--http-port",
+        str(cfg.admin_port),
+        "--disable-observability",
+        "--disable-metrics",
         # vLLM CPU workers move KV engine-driven; the server's default serves only the server-driven path.
-        "--supported-transfer-mode", "auto",
-    ]  # fmt: skip
+        "--supported-transfer-mode",
+        "auto",
+    ]
 
 
 def lmcache_binary() -> str:

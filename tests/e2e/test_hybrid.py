@@ -40,9 +40,13 @@ def consume(pair: dict, tokens: list[int]) -> HitDetails:
     extra = {"return_tokens_as_token_ids": True}
     answer = complete(pair["consumer"], pair["model"], tokens, max_tokens=GENERATE, logprobs=5, extra=extra)
     reference = complete(
-        pair["consumer"], pair["model"], tokens, max_tokens=GENERATE, logprobs=5,
+        pair["consumer"],
+        pair["model"],
+        tokens,
+        max_tokens=GENERATE,
+        logprobs=5,
         extra={**extra, "cache_salt": uuid.uuid4().hex},
-    )  # fmt: skip
+    )
     assert hit_details(reference).reused_tokens == 0, "the reference reused KV"
     comparison = compare_answers(answer, reference, TOLERANCE)
     assert comparison.matches, comparison.reason

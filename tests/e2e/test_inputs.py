@@ -23,16 +23,25 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 def run_engine(pair: dict, tmp_path: Path) -> dict[str, dict]:
     env = {
-        **os.environ, "VLLM_HOST_IP": "127.0.0.1", "MC_TCP_BIND_ADDRESS": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1",
-        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+        **os.environ,
+        "VLLM_HOST_IP": "127.0.0.1",
+        "MC_TCP_BIND_ADDRESS": "127.0.0.1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
         "PYTHONPATH": str(REPO_ROOT),
-    }  # fmt: skip
+    }
     log = tmp_path / "engine.log"
     with open(log, "wb") as out:
         done = subprocess.run(
             [sys.executable, "-m", "tests.e2e.engines.prompt_embeds", pair["model"], pair["master"], pair["admin"]],
-            stdout=subprocess.PIPE, stderr=out, cwd=REPO_ROOT, env=env, timeout=600,
-        )  # fmt: skip
+            stdout=subprocess.PIPE,
+            stderr=out,
+            cwd=REPO_ROOT,
+            env=env,
+            timeout=600,
+        )
     results = {}
     for line in done.stdout.decode().splitlines():
         if line.startswith("RESULT "):

@@ -34,9 +34,12 @@ def ready_file(pair, tmp_path_factory) -> Path:
 def inspect(*args: str) -> dict:
     done = subprocess.run(
         [sys.executable, "-m", "kvtool.cli", "inspect", *map(str, args), "--json"],
-        cwd=REPO_ROOT, env={**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"},
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=REPO_ROOT,
+        env={**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 

@@ -51,10 +51,9 @@ def judging_engine(pair, tmp_path_factory) -> Iterator[dict]:
     yield from kv_both_engine(pair, tmp_path_factory.mktemp("kv-both-judging"))
 
 
-def kv_both_engine(pair: dict, workdir: Path, **config: object) -> Iterator[dict]:
-    """Run a `kv_both` vLLM server on the pair's store and model until the generator is closed."""
-    faults = workdir / "faults.json"
-    port = find_free_port()
+def kv_both_argv(pair: dict, port: int, faults: Path, **config: object) -> list[str]:
+    """The `kv_both` engine's command line: the pair's model and block size, the kvtool connector on
+    the pair's master with a fault plan of its own, ``config`` over its extra config."""
     extra = {
         "master_server_address": pair["master"],
         "metadata_server": "P2PHANDSHAKE",
@@ -76,13 +75,25 @@ def kv_both_engine(pair: dict, workdir: Path, **config: object) -> Iterator[dict
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": extra,
     }
-    argv = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", pair["model"], "--host", "127.0.0.1", "--port", str(port),
-        "--block-size", str(pair["block_size"]), "--max-model-len", "2048", "--dtype", "float32",
-        "--gpu-memory-utilization", "0.2", "--enable-prompt-tokens-details",
-        "--kv-transfer-config", json.dumps(transfer),
-    ]  # fmt: skip
+    flags = {
+        "--model": pair["model"],
+        "--host": "127.0.0.1",
+        "--port": str(port),
+        "--block-size": str(pair["block_size"]),
+        "--max-model-len": "2048",
+        "--dtype": "float32",
+        "--gpu-memory-utilization": "0.2",
+        "--kv-transfer-config": json.dumps(transfer),
+    }
+    server = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    return [*server, *(part for flag in flags.items() for part in flag), "--enable-prompt-tokens-details"]
+
+
+def kv_both_engine(pair: dict, workdir: Path, **config: object) -> Iterator[dict]:
+    """Run a `kv_both` vLLM server on the pair's store and model until the generator is closed."""
+    faults = workdir / "faults.json"
+    port = find_free_port()
+    argv = kv_both_argv(pair, port, faults, **config)
     env = {
         **os.environ,
         "VLLM_HOST_IP": "127.0.0.1",

@@ -83,9 +83,12 @@ def hosts(lab: Lab, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
         ready = asked_from_the_client(lab, tcp_port=STORE_PORT, tcp_host=store)
         procs.wait_ready([procs.start("store", lab.command("store", store_command), bound_to(store), ready)], 60)
         cfg = ServePairConfig(
-            model=ensure_default_model(preset="tiny"), log_dir=workdir, external_master=f"{master}:{MASTER_PORT}",
-            store="standalone", ready_file=None,
-        )  # fmt: skip
+            model=ensure_default_model(preset="tiny"),
+            log_dir=workdir,
+            external_master=f"{master}:{MASTER_PORT}",
+            store="standalone",
+            ready_file=None,
+        )
         engines = [engine(lab, procs, cfg, role, addresses[role]) for role in ("producer", "consumer")]
         procs.wait_ready(engines, READY_TIMEOUT_S)
         yield {

@@ -120,10 +120,16 @@ def frozen_master(pair, pair_master, seed: int) -> None:
     streamed: dict = {}
     decoding = threading.Thread(
         target=lambda: streamed.update(
-            complete(pair["consumer"], pair["model"], prompt(seed + 50, 30), max_tokens=STREAM_TOKENS, stream=True,
-                     extra={"ignore_eos": True})
+            complete(
+                pair["consumer"],
+                pair["model"],
+                prompt(seed + 50, 30),
+                max_tokens=STREAM_TOKENS,
+                stream=True,
+                extra={"ignore_eos": True},
+            )
         )
-    )  # fmt: skip
+    )
     decoding.start()
     try:
         new = consume_until_replaced(pair, pair_master, old, seed=seed + 100)

@@ -70,9 +70,15 @@ def connected(config, timeout_s: float = CONNECT_TIMEOUT_S):
 def test_clients_follow_the_new_leader_and_calls_fail_closed_meanwhile(ha_group):
     etcd, leader, standby = ha_group
     config = load_config(
-        {"mooncake": {"master_server_address": f"etcd://{etcd.endpoint}", "global_segment_size": 32 << 20,
-                      "local_buffer_size": 16 << 20}, "lookup_timeout_s": 1.0}
-    )  # fmt: skip
+        {
+            "mooncake": {
+                "master_server_address": f"etcd://{etcd.endpoint}",
+                "global_segment_size": 32 << 20,
+                "local_buffer_size": 16 << 20,
+            },
+            "lookup_timeout_s": 1.0,
+        }
+    )
     store = connected(config)
     try:
         assert store.put("kvtool-test/before", b"stored before the failover") is PutOutcome.STORED

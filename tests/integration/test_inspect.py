@@ -104,8 +104,12 @@ def kvtool(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1", "COLUMNS": "200"}
     return subprocess.run(
         [sys.executable, "-m", "kvtool.cli", "inspect", *args],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def kvtool_json(*args: str) -> dict:

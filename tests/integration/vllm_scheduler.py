@@ -91,15 +91,20 @@ def driven_scheduler(model_dir: str, master_address: str, role: str = "kv_both",
         kv_connector_extra_config={"master_server_address": master_address, "global_segment_size": 0, **extra},
     )
     config = VllmConfig(
-        model_config=model, scheduler_config=sched, cache_config=cache, kv_transfer_config=transfer,
+        model_config=model,
+        scheduler_config=sched,
+        cache_config=cache,
+        kv_transfer_config=transfer,
         device_config=DeviceConfig("cpu"),
-    )  # fmt: skip
+    )
     spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=32, dtype=torch.float32)
     kv_cache = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)])
     scheduler = Scheduler(
-        vllm_config=config, kv_cache_config=kv_cache, structured_output_manager=StructuredOutputManager(config),
+        vllm_config=config,
+        kv_cache_config=kv_cache,
+        structured_output_manager=StructuredOutputManager(config),
         block_size=BLOCK_SIZE,
-    )  # fmt: skip
+    )
     assert scheduler.connector is not None and scheduler.connector._store is not None, "the connector has no store"
     return DrivenScheduler(scheduler)
 

@@ -34,8 +34,16 @@ def decoded(tokens, answer, request_id="r1"):
 
 
 def engine(store, *, saves=False, groups=None, namespace=NS):
-    return SchedulerSide(CONFIG, namespace, store, loads_enabled=True, saves_enabled=saves, answers_enabled=True,
-                         lookup_calls=InlineCalls(), groups=groups)  # fmt: skip
+    return SchedulerSide(
+        CONFIG,
+        namespace,
+        store,
+        loads_enabled=True,
+        saves_enabled=saves,
+        answers_enabled=True,
+        lookup_calls=InlineCalls(),
+        groups=groups,
+    )
 
 
 def keys_of(tokens):
@@ -195,8 +203,9 @@ def test_a_sliding_window_answer_skips_the_blocks_its_window_left():
 def test_the_worker_reports_an_answer_save_sent_once_it_copied_it_or_could_not():
     layers = ["model.layers.0.attn"]
     caches = {name: torch.randn(8, 2, 32, 16) for name in layers}
-    ns = Namespace(model="m", dtype="float32", kv_layout="cpu", block_size=32, num_layers=1, num_kv_heads=2,
-                   head_size=8)  # fmt: skip
+    ns = Namespace(
+        model="m", dtype="float32", kv_layout="cpu", block_size=32, num_layers=1, num_kv_heads=2, head_size=8
+    )
     store = ScriptedStore()
     side = engine(store, namespace=ns)
     req = decoded(PROMPT, ANSWER)
@@ -300,8 +309,9 @@ def test_an_answer_saves_record_never_counts_prompt_blocks_its_prompt_save_faile
 
     layers = ["model.layers.0.attn"]
     caches = {name: torch.randn(8, 2, 32, 16) for name in layers}
-    ns = Namespace(model="m", dtype="float32", kv_layout="cpu", block_size=32, num_layers=1, num_kv_heads=2,
-                   head_size=8)  # fmt: skip
+    ns = Namespace(
+        model="m", dtype="float32", kv_layout="cpu", block_size=32, num_layers=1, num_kv_heads=2, head_size=8
+    )
     store = ScriptedStore()
     side = engine(store, saves=True, namespace=ns)
     req = decoded(PROMPT, ANSWER)
@@ -314,7 +324,10 @@ def test_an_answer_saves_record_never_counts_prompt_blocks_its_prompt_save_faile
     worker.register_kv_caches(caches, [layers], 8)
     worker.wait_for_save(KVToolMetadata(saves=[answer]))
     worker.shutdown()
-    (final,) = [WatermarkRecord.decode(value) for key, value in store.objects.items()
-                if decode_key(key).kind.value == "w" and decode_key(key).seq == 1]  # fmt: skip
+    (final,) = [
+        WatermarkRecord.decode(value)
+        for key, value in store.objects.items()
+        if decode_key(key).kind.value == "w" and decode_key(key).seq == 1
+    ]
     assert (final.prompt_tokens, final.durable_offset) == (104, 0)
     assert worker.take_stats()["saves_gone"] == 2

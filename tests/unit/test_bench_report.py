@@ -255,9 +255,20 @@ def test_bench_flags_map_to_the_config_and_a_bad_one_is_named():
     from kvtool.errors import UserError
 
     options = dict(
-        workloads=("sub-block",), requests=2, max_tokens=3, seed=1, verify=True, tolerance=1e-3, quiet_s=0.0,
-        trace_block_tokens=16, trace_start=4, trace_requests=None, prefix_len=80, suffix_len=24, num_prefixes=2,
-    )  # fmt: skip
+        workloads=("sub-block",),
+        requests=2,
+        max_tokens=3,
+        seed=1,
+        verify=True,
+        tolerance=1e-3,
+        quiet_s=0.0,
+        trace_block_tokens=16,
+        trace_start=4,
+        trace_requests=None,
+        prefix_len=80,
+        suffix_len=24,
+        num_prefixes=2,
+    )
     config = BenchConfig.from_options(**options)
     assert config.trace.start == 4 and config.quiet_s == 0.0 and config.prefix_repetition.prefix_len == 80
     with pytest.raises(UserError, match="--trace-block-tokens"):

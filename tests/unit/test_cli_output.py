@@ -361,10 +361,19 @@ def test_sigterm_stops_a_bench_as_ctrl_c_does(tmp_path):
     (model / "config.json").write_text(json.dumps({"vocab_size": 1000}))
     url = f"http://127.0.0.1:{server.server_port}"
     ready = tmp_path / "ready.json"
-    ready.write_text(json.dumps({
-        "producer": url, "consumer": url, "model": str(model), "block_size": 32, "hash_unit": 1,
-        "max_model_len": 2048, "connector": "none",
-    }))  # fmt: skip
+    ready.write_text(
+        json.dumps(
+            {
+                "producer": url,
+                "consumer": url,
+                "model": str(model),
+                "block_size": 32,
+                "hash_unit": 1,
+                "max_model_len": 2048,
+                "connector": "none",
+            }
+        )
+    )
     bench = subprocess.Popen(
         [sys.executable, "-m", "kvtool.cli", "bench", "--pair", str(ready), "--requests", "2"],
         cwd=Path(__file__).resolve().parents[2],

@@ -1,10 +1,14 @@
 """The shape issue 20 set for the code, held: no module over 450 lines anywhere in the project
-(benchmarks and tests included), no function over 80 lines, and no import cycle among kvtool/ and
+(benchmarks and tests included), no function over 80 lines, every line as ``ruff format`` writes it
+(no marker that keeps a line from it), and no import cycle among kvtool/ and
 connector/ modules (imports inside functions included; ``if TYPE_CHECKING:`` blocks are not imports)."""
 
 from __future__ import annotations
 
 import ast
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,6 +35,28 @@ def test_no_function_is_over_80_lines():
         and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
     ]
     assert not long, long
+
+
+def test_no_line_is_kept_from_the_formatter():
+    """Lines are shaped by ``ruff format``, never packed past it: no skip or off marker anywhere."""
+    marked = [
+        f"{p.relative_to(ROOT)}:{number}"
+        for p in sources()
+        for number, line in enumerate(p.read_text().splitlines(), 1)
+        if re.search(r"#\s*fmt:\s*(skip|off)\b", line)
+    ]
+    assert not marked, marked
+
+
+def test_the_formatter_finds_nothing_to_change():
+    done = subprocess.run(
+        [sys.executable, "-m", "ruff", "format", "--check", *PACKAGES, "benchmarks", "tests", "scripts"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
 
 
 def module_name(path: Path) -> str:

@@ -60,20 +60,26 @@ BAD = {
     "typo.toml": ("blok-size = 32\n", "unknown field 'blok-size' (accepted: model, model-preset"),
     "connector.toml": ('connector = "sglang"\n', "is not one of: kvtool, vllm-mooncake-store, lmcache, none"),
     "size.json": (
-        {"kv_connector": "KVToolConnector", "kv_connector_module_path": "connector.connector", "kv_role": "kv_producer",
-         "kv_connector_extra_config": {"mooncake": {"master_server_address": "h:1", "global_segment_size": "4XB"}}},
+        {
+            "kv_connector": "KVToolConnector",
+            "kv_connector_module_path": "connector.connector",
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"mooncake": {"master_server_address": "h:1", "global_segment_size": "4XB"}},
+        },
         "'mooncake.global_segment_size'",
     ),
     "role.json": ({"kv_connector": "KVToolConnector", "kv_role": "producer"}, "use one of kv_producer, kv_consumer"),
     "module.json": ({"kv_connector": "KVToolConnector", "kv_role": "kv_both"}, "'kv_connector_module_path'"),
     "extra.json": ({"master_server_address": "127.0.0.1:1", "hash_unt": 2}, "unknown field 'hash_unt'"),
-    "mode.json": ({"master_server_address": "127.0.0.1:1", "mode": "standalone-store", "global_segment_size": 5},
-                  "needs global_segment_size 0"),
+    "mode.json": (
+        {"master_server_address": "127.0.0.1:1", "mode": "standalone-store", "global_segment_size": 5},
+        "needs global_segment_size 0",
+    ),
     "lends.json": ({"master_server_address": "127.0.0.1:1", "mode": "standalone-store"}, "needs global_segment_size 0"),
     "list.json": ([1], "must hold an object"),
     "vllm.json": ({"kv_connector": "KVToolConnector", "kv_role": "kv_both", "kv_buffer_size": 1}, "'kv_buffer_size'"),
     "broken.json": ("{", "is not valid JSON"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("name", sorted(BAD))

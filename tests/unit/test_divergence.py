@@ -166,8 +166,16 @@ def test_a_bad_pointer_is_no_hit_and_the_lookup_falls_back(change):
     keys, tail = keys_for(STORED, grid=8), keys_for(STORED).tail_ref(85)
     for boundary in (72, 80):  # every pointer into the tail (no block-start pointers at this grid)
         pointer = keys.pointer_ref(boundary)
-        good = PointerRecord(NS.fingerprint(), pointer.chain_hash, 0, boundary, KeyKind.TAIL, 85, tail.chain_hash,
-                             tuple(STORED[boundary:85]))  # fmt: skip
+        good = PointerRecord(
+            NS.fingerprint(),
+            pointer.chain_hash,
+            0,
+            boundary,
+            KeyKind.TAIL,
+            85,
+            tail.chain_hash,
+            tuple(STORED[boundary:85]),
+        )
         assert store.objects[pointer.key] == encode_pointer(good)
         if change == "bit-flip":
             spoiled = bytearray(encode_pointer(good))

@@ -170,8 +170,16 @@ def publish(objects: dict, tokens, groups, grid=8):
         objects[ref.key] = b"object"
         for pointer in keys.pointers_inside(ref):
             ids = tuple(tokens[pointer.token_end : ref.token_end])
-            record = PointerRecord(NS.fingerprint(), pointer.chain_hash, ref.group, pointer.token_end, ref.kind,
-                                   ref.token_end, ref.chain_hash, ids)  # fmt: skip
+            record = PointerRecord(
+                NS.fingerprint(),
+                pointer.chain_hash,
+                ref.group,
+                pointer.token_end,
+                ref.kind,
+                ref.token_end,
+                ref.chain_hash,
+                ids,
+            )
             objects[pointer.key] = encode_pointer(record)
 
 
@@ -193,8 +201,12 @@ def test_on_a_sliding_window_model_every_group_extends_and_the_hit_stops_where_t
     assert stored.hit_tokens == 77 and set(stored.extended) == {0, 1}
     # The window (40 tokens) needs blocks from the one holding token 77 - 40 + 1 = 38: block 1 on.
     assert sorted((o.group, o.token_start, o.token_end) for o in plan.objects) == [
-        (0, 0, 32), (0, 32, 64), (0, 64, 85), (1, 32, 64), (1, 64, 85),
-    ]  # fmt: skip
+        (0, 0, 32),
+        (0, 32, 64),
+        (0, 64, 85),
+        (1, 32, 64),
+        (1, 64, 85),
+    ]
     # Another prompt sharing 74 tokens, saved later, replaced the sliding group's pointer at 72 (and not,
     # say by a failed put, the full group's): the full group reaches 77, the sliding one 74.
     full_72 = keys.pointer_ref(72, 0).key

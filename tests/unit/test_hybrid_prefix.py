@@ -60,8 +60,11 @@ def test_keys_name_their_group_and_a_state_has_its_own_kind():
     keys = keys_for(tokens(1, 85), MAMBA)
     saves = plan_save(keys)
     assert [(s.group, s.kind, s.token_end) for s in saves] == [
-        (1, KeyKind.BLOCK, 32), (1, KeyKind.BLOCK, 64), (1, KeyKind.TAIL, 85), (0, KeyKind.STATE, 85),
-    ]  # fmt: skip
+        (1, KeyKind.BLOCK, 32),
+        (1, KeyKind.BLOCK, 64),
+        (1, KeyKind.TAIL, 85),
+        (0, KeyKind.STATE, 85),
+    ]
     decoded = decode_key(saves[-1].key)
     assert (decoded.group, decoded.kind, decoded.end_token) == (0, KeyKind.STATE, 85)
     assert saves[-1].block_index == 2  # the state after 85 tokens lives in the block of token 84

@@ -172,9 +172,10 @@ def test_a_prompt_leaving_a_stored_one_shows_the_pointer_it_hits_through():
     # exact divergence point. With the tail evicted: the block boundary.
     pointer, tail = stored.pointer_ref(72), stored.tail_ref(85)
     record = encode_pointer(
-        PointerRecord(NS.fingerprint(), pointer.chain_hash, 0, 72, KeyKind.TAIL, 85, tail.chain_hash,
-                      tuple(TOKENS[72:85]))
-    )  # fmt: skip
+        PointerRecord(
+            NS.fingerprint(), pointer.chain_hash, 0, 72, KeyKind.TAIL, 85, tail.chain_hash, tuple(TOKENS[72:85])
+        )
+    )
     read = inspect_prompt(diverging, StoreSnapshot(frozenset(present), pointer_records={pointer.key: record}))
     assert (read.hit_tokens, read.block_hit_tokens, read.tail_hit_tokens) == (74, 64, 10)
     evicted = StoreSnapshot(frozenset(present - {tail.key}), pointer_records={pointer.key: record})

@@ -41,9 +41,15 @@ def test_every_call_is_counted_with_its_items_and_time_even_when_it_fails():
     except RuntimeError:
         pass
     assert store.take_stats() == {
-        "store_calls_exists": 1, "store_items_exists": 3, "store_call_us_exists": 1000,
-        "store_calls_put": 1, "store_items_put": 2, "store_call_us_put": 1000,
-        "store_calls_get": 1, "store_items_get": 1, "store_call_us_get": 1000,
+        "store_calls_exists": 1,
+        "store_items_exists": 3,
+        "store_call_us_exists": 1000,
+        "store_calls_put": 1,
+        "store_items_put": 2,
+        "store_call_us_put": 1000,
+        "store_calls_get": 1,
+        "store_items_get": 1,
+        "store_call_us_get": 1000,
         "breaker_opened": 1,
-    }  # fmt: skip
+    }
     assert store.take_stats() == {"breaker_opened": 1} and backend.stats_taken == 2

@@ -276,8 +276,16 @@ def test_the_copy_runs_off_the_engine_thread_and_one_begun_before_the_deadline_i
         release.wait(30)
 
     calls = BoundedCalls("test-load", limit=1)
-    instance = Loader(store, key_of=lambda t: f"k{t.block_id}", header_of=lambda t: None, write_block=write_block,
-                      timeout_s=10, area=StagingArea("load", OBJECT_BYTES, 4), calls=calls, clock=clock)  # fmt: skip
+    instance = Loader(
+        store,
+        key_of=lambda t: f"k{t.block_id}",
+        header_of=lambda t: None,
+        write_block=write_block,
+        timeout_s=10,
+        area=StagingArea("load", OBJECT_BYTES, 4),
+        calls=calls,
+        clock=clock,
+    )
     try:
         instance.start(load("a"))
         store.gate.set()

@@ -140,8 +140,10 @@ def test_multimodal_requests_are_not_keyed_where_vllm_names_their_inputs_by_a_co
 
     def engine_config(cache_gb, prefix_caching, multimodal=True):
         mm = SimpleNamespace(mm_processor_cache_gb=cache_gb) if multimodal else None
-        return SimpleNamespace(model_config=SimpleNamespace(multimodal_config=mm),
-                               cache_config=SimpleNamespace(enable_prefix_caching=prefix_caching))  # fmt: skip
+        return SimpleNamespace(
+            model_config=SimpleNamespace(multimodal_config=mm),
+            cache_config=SimpleNamespace(enable_prefix_caching=prefix_caching),
+        )
 
     assert _mm_named_by_content(engine_config(0, False)) is False
     assert _mm_named_by_content(engine_config(4, False)) is True

@@ -255,14 +255,22 @@ def test_a_hybrid_save_copies_every_group_from_vllms_current_tables_and_never_a_
     side.get_num_new_matched_tokens(req, 0)
     # The last chunk starts at 160: the sliding group freed blocks 0-2 (tokens < 97 left its window).
     # The append-only ids the scheduler output carries would still name them.
-    chunk = SimpleNamespace(req_id="r1", block_ids=([1, 2, 3, 4, 5, 6, 7], [11, 12, 13, 14, 15, 16, 17]),
-                            num_computed_tokens=160)  # fmt: skip
+    chunk = SimpleNamespace(
+        req_id="r1", block_ids=([1, 2, 3, 4, 5, 6, 7], [11, 12, 13, 14, 15, 16, 17]), num_computed_tokens=160
+    )
     tables = ([1, 2, 3, 4, 5, 6, 7], [0, 0, 0, 14, 15, 16, 17])
     state = SimpleNamespace(get_block_ids=lambda req_id: tables, boundary_state_offloads={})
     (save,) = side.build_connector_meta(step([chunk], scheduled={"r1": 40}, block_state=state)).saves
     by_group = {g: [(t.block_id, t.kind.value, t.token_end) for t in save.transfers if t.group == g] for g in (0, 1)}
-    assert by_group[0] == [(1, "b", 32), (2, "b", 64), (3, "b", 96), (4, "b", 128), (5, "b", 160), (6, "b", 192),
-                           (7, "t", 200)]  # fmt: skip
+    assert by_group[0] == [
+        (1, "b", 32),
+        (2, "b", 64),
+        (3, "b", 96),
+        (4, "b", 128),
+        (5, "b", 160),
+        (6, "b", 192),
+        (7, "t", 200),
+    ]
     assert by_group[1] == [(14, "b", 128), (15, "b", 160), (16, "b", 192), (17, "t", 200)]
     # Put order: block k of every group before block k + 1, tails after blocks.
     assert [t.token_end for t in save.transfers] == sorted(t.token_end for t in save.transfers)
@@ -274,9 +282,14 @@ def test_mamba_boundary_states_are_saved_from_the_blocks_vllm_names_in_the_step_
 
     groups = (CacheGroup(0, GroupKind.STATE, 64), CacheGroup(1, GroupKind.FULL, 64))
     side = SchedulerSide(
-        CONFIG, replace_block_size(NS, 64), ScriptedStore(), loads_enabled=False, saves_enabled=True,
-        lookup_calls=InlineCalls(), groups=groups,
-    )  # fmt: skip
+        CONFIG,
+        replace_block_size(NS, 64),
+        ScriptedStore(),
+        loads_enabled=False,
+        saves_enabled=True,
+        lookup_calls=InlineCalls(),
+        groups=groups,
+    )
     tokens = list(range(100, 230))  # 130 tokens: two Mamba blocks and a tail of 2
     req = request(tokens)
     side.get_num_new_matched_tokens(req, 0)
@@ -289,19 +302,25 @@ def test_mamba_boundary_states_are_saved_from_the_blocks_vllm_names_in_the_step_
     ]
     # An offer for an attention group, the null block, or a boundary past the prompt is never saved.
     state.boundary_state_offloads = {"r1": [(1, 31, 128), (0, 0, 128), (0, 23, 400)]}
-    cached = SimpleNamespace(req_ids=["r1"], new_block_ids=[([22], [32])], resumed_req_ids=set(),
-                             num_computed_tokens=[64])  # fmt: skip
+    cached = SimpleNamespace(
+        req_ids=["r1"], new_block_ids=[([22], [32])], resumed_req_ids=set(), num_computed_tokens=[64]
+    )
     assert side.build_connector_meta(step(cached=cached, scheduled={"r1": 64}, block_state=state)).saves == []
     # The step that completes the prompt: every attention block, the tail, and the state after 130 tokens.
     state.get_block_ids = lambda _: ([21, 22, 23], [31, 32, 33])
     state.boundary_state_offloads = {"r1": [(0, 22, 128)]}
-    cached = SimpleNamespace(req_ids=["r1"], new_block_ids=[([23], [33])], resumed_req_ids=set(),
-                             num_computed_tokens=[128])  # fmt: skip
+    cached = SimpleNamespace(
+        req_ids=["r1"], new_block_ids=[([23], [33])], resumed_req_ids=set(), num_computed_tokens=[128]
+    )
     (save,) = side.build_connector_meta(step(cached=cached, scheduled={"r1": 2}, block_state=state)).saves
     assert not save.checkpoint and save.state_groups == (0,)  # its record needs group 0's state
     assert [(t.group, t.kind.value, t.token_end, t.block_id) for t in save.transfers] == [
-        (1, "b", 64, 31), (1, "b", 128, 32), (1, "t", 130, 33), (0, "s", 130, 23), (0, "s", 128, 22),
-    ]  # fmt: skip
+        (1, "b", 64, 31),
+        (1, "b", 128, 32),
+        (1, "t", 130, 33),
+        (0, "s", 130, 23),
+        (0, "s", 128, 22),
+    ]
 
 
 def replace_block_size(namespace, block_size):

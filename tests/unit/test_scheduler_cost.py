@@ -18,9 +18,14 @@ def fed_consumer(store, *, load_s: float, prefill_s_per_token: float, block_byte
     from connector.data import KVToolWorkerMeta
 
     side = SchedulerSide(
-        role.pop("config", CONFIG), NS, store, loads_enabled=True, lookup_calls=InlineCalls(),
-        block_bytes=(block_bytes,), **{"saves_enabled": False, **role},
-    )  # fmt: skip
+        role.pop("config", CONFIG),
+        NS,
+        store,
+        loads_enabled=True,
+        lookup_calls=InlineCalls(),
+        block_bytes=(block_bytes,),
+        **{"saves_enabled": False, **role},
+    )
     loads = [(n * block_bytes, n * block_bytes * 1e-9, load_s + n * block_bytes * 1e-9) for n in range(1, 7)]
     steps = [(t, 0.001 + t * prefill_s_per_token) for t in (1, 16, 64, 256, 1024)]
     side.record_worker_meta(KVToolWorkerMeta({}, loads, steps))
@@ -30,9 +35,14 @@ def fed_consumer(store, *, load_s: float, prefill_s_per_token: float, block_byte
 def unfed_consumer(store, block_bytes: int = 1 << 20) -> SchedulerSide:
     """A consumer whose cost model has seen nothing yet."""
     return SchedulerSide(
-        CONFIG, NS, store, loads_enabled=True, saves_enabled=False, lookup_calls=InlineCalls(),
+        CONFIG,
+        NS,
+        store,
+        loads_enabled=True,
+        saves_enabled=False,
+        lookup_calls=InlineCalls(),
         block_bytes=(block_bytes,),
-    )  # fmt: skip
+    )
 
 
 def test_a_hit_that_costs_more_to_load_than_to_compute_is_not_taken_and_says_why():

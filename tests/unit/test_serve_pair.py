@@ -340,8 +340,9 @@ def test_smoke_table_tolerates_absent_kv_transfer_params(monkeypatch, params):
         return {"usage": {"prompt_tokens_details": {"cached_tokens": 0}}, "kv_transfer_params": params}
 
     monkeypatch.setattr(smoke, "complete", fake_complete)
-    info = ReadyFile(model="/m", producer="P", consumer="C", connector="kvtool", block_size=32, hash_unit=1,
-                     max_model_len=2048)  # fmt: skip
+    info = ReadyFile(
+        model="/m", producer="P", consumer="C", connector="kvtool", block_size=32, hash_unit=1, max_model_len=2048
+    )
     console = Console(record=True, width=100)
     cases = smoke.run_smoke(info, console)
     assert [(url, n) for url, n, _ in sent] == [("P", 20), ("C", 50), ("P", 85), ("C", 115)]

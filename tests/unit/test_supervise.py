@@ -294,8 +294,16 @@ def test_ready_file_is_written_once_published_and_rewritten_on_refresh(tmp_path)
     state = {"master_pid": 1}
 
     def info() -> ReadyFile:
-        return ReadyFile(producer="P", consumer="C", model="m", block_size=32, hash_unit=1, max_model_len=64,
-                         connector="kvtool", master_pid=state["master_pid"])  # fmt: skip
+        return ReadyFile(
+            producer="P",
+            consumer="C",
+            model="m",
+            block_size=32,
+            hash_unit=1,
+            max_model_len=64,
+            connector="kvtool",
+            master_pid=state["master_pid"],
+        )
 
     ready = ReadyFileWriter(path)
     ready.refresh()  # a restart before the pair is ready: nothing written yet
@@ -314,8 +322,9 @@ def test_a_ready_file_that_cannot_be_written_is_one_sentence_and_leaves_no_stagi
     from kvtool.errors import UserError
 
     def info() -> ReadyFile:
-        return ReadyFile(producer="P", consumer="C", model="m", block_size=32, hash_unit=1, max_model_len=64,
-                         connector="kvtool")  # fmt: skip
+        return ReadyFile(
+            producer="P", consumer="C", model="m", block_size=32, hash_unit=1, max_model_len=64, connector="kvtool"
+        )
 
     (tmp_path / "taken").mkdir()
     ready = ReadyFileWriter(tmp_path / "taken")  # a directory where the file should go: the rename fails

@@ -16,9 +16,14 @@ def kernel_layout(dtype: torch.dtype, head: int, block: int) -> str:
 
 @pytest.mark.parametrize(
     ("dtype", "head", "block"),
-    [(torch.float32, 64, 32), (torch.float32, 32, 32), (torch.bfloat16, 128, 32), (torch.bfloat16, 64, 256),
-     (torch.float32, 48, 32)],
-)  # fmt: skip
+    [
+        (torch.float32, 64, 32),
+        (torch.float32, 32, 32),
+        (torch.bfloat16, 128, 32),
+        (torch.bfloat16, 64, 256),
+        (torch.float32, 48, 32),
+    ],
+)
 def test_the_first_tokens_of_a_block_are_where_the_kernel_wrote_them(dtype, head, block):
     from vllm import _custom_ops as ops
 

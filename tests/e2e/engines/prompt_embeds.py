@@ -21,14 +21,21 @@ def main(model_dir: str, master: str, admin: str) -> None:
     from kvtool.store.admin import open_admin, wait_for_key
 
     llm = LLM(
-        model=model_dir, dtype="float32", block_size=32, max_model_len=512, gpu_memory_utilization=0.3,
-        enable_prompt_embeds=True, enforce_eager=True, seed=0,
+        model=model_dir,
+        dtype="float32",
+        block_size=32,
+        max_model_len=512,
+        gpu_memory_utilization=0.3,
+        enable_prompt_embeds=True,
+        enforce_eager=True,
+        seed=0,
         kv_transfer_config={
-            "kv_connector": "KVToolConnector", "kv_connector_module_path": "connector.connector",
+            "kv_connector": "KVToolConnector",
+            "kv_connector_module_path": "connector.connector",
             "kv_role": "kv_both",
             "kv_connector_extra_config": {"master_server_address": master, "global_segment_size": 0},
         },
-    )  # fmt: skip
+    )
     warm_up(llm, admin)
     hidden = llm.llm_engine.model_config.get_hidden_size()
     ids = list(range(400, 445))
@@ -52,9 +59,18 @@ def main(model_dir: str, master: str, admin: str) -> None:
         completion = output.outputs[0]
         logprobs = [{str(k): v.logprob for k, v in step.items()} for step in completion.logprobs or []]
         details = (output.kv_transfer_params or {}).get("kvtool") or {}
-        print("RESULT " + json.dumps({
-            "run": name, "token_ids": list(completion.token_ids), "logprobs": logprobs, "kvtool": details,
-        }), flush=True)  # fmt: skip
+        print(
+            "RESULT "
+            + json.dumps(
+                {
+                    "run": name,
+                    "token_ids": list(completion.token_ids),
+                    "logprobs": logprobs,
+                    "kvtool": details,
+                }
+            ),
+            flush=True,
+        )
         if name == "first" and details.get("watermark_key"):
             # The next run must find the save in the store: wait until every put of it was tried.
             wait_for_key(open_admin(admin), details["watermark_key"], 60.0)
