@@ -41,6 +41,7 @@ from measure import (  # the sibling script: sets the loopback environment befor
 )
 
 from connector.config import KVToolConfig, divergence_grid
+from kvtool.portable import portable
 from connector.data import RequestSave
 from connector.hashing import RequestIdentity
 from connector.keys import KeyKind, Namespace, decode_key, watermark_key
@@ -421,7 +422,7 @@ def main() -> None:
     results["connector"] = connector_run(args.log_dir, command)
     print(connector_tables(results["connector"]["settings"]))
     print(f"CPU during the connector run: {results['connector']['cpu']}")
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    args.out.write_text(json.dumps(portable(results), indent=2) + "\n")
     print(f"wrote {args.out}")
 
 

@@ -47,6 +47,7 @@ ENV = {"MC_TCP_BIND_ADDRESS": LOOPBACK, "VLLM_HOST_IP": LOOPBACK}
 os.environ.update(ENV)  # before the Mooncake client is imported (MooncakeStore imports it lazily)
 
 from connector.config import KVToolConfig  # noqa: E402
+from kvtool.portable import portable  # noqa: E402
 from connector.mooncake import MooncakeStore  # noqa: E402
 from kvtool import web  # noqa: E402
 from kvtool.store.master import LocalMaster  # noqa: E402
@@ -426,7 +427,7 @@ def main() -> None:
     results = {"connector": kept["connector"]} if "connector" in kept else {}
     results.update(store_level(args.log_dir, command))
     print(markdown(results["derived"]))
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    args.out.write_text(json.dumps(portable(results), indent=2) + "\n")
     print(f"wrote {args.out}")
 
 

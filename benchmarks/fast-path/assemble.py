@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtool.bench.report import bucket_label, percentile
+from kvtool.portable import portable
 
 HERE = Path(__file__).resolve().parent
 # The peers runs pooled (``pooled``): --compare kvtool,vllm-mooncake-store,lmcache,none and the reverse
@@ -384,7 +385,7 @@ def main() -> None:
         **capacity_fields(load(HERE.parent / "capacity-pressure" / "results.json")),
         **stream_fields(load(HERE / "stream_gap.json")),
     }
-    (HERE / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    (HERE / "results.json").write_text(json.dumps(portable(results), indent=2) + "\n")
     print(json.dumps({name: (entry["value"], entry["met"]) for name, entry in results.items()}, indent=1))
 
 

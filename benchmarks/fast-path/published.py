@@ -12,6 +12,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from kvtool.bench.command import provenance as measured_at  # noqa: E402 - after the path above
+from kvtool.portable import portable  # noqa: E402
 
 
 def git_head() -> str | None:
@@ -31,7 +32,7 @@ def provenance() -> dict[str, Any]:
 
 def write_result(result: dict[str, Any], out: Path | None, echo: bool = True) -> None:
     """Print ``result`` as JSON (``echo``) and write it to ``out`` when one is given."""
-    text = json.dumps(result, indent=2)
+    text = json.dumps(portable(result), indent=2)  # no path of this machine (kvtool/portable.py)
     if echo:
         print(text)
     if out:

@@ -44,6 +44,8 @@ from pair import REPO, Pair  # noqa: E402
 from pair_soak import PairSoak  # noqa: E402
 from report import pair_report, run_result  # noqa: E402
 
+from kvtool.portable import portable  # noqa: E402
+
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -95,7 +97,7 @@ def main() -> int:
 
     result = run_result(args, reports, pair_info, time.monotonic() - began)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    args.out.write_text(json.dumps(portable(result), indent=2) + "\n")
     summary = {
         k: result[k]
         for k in ("requests_total", "master_kills", "master_freezes", "mismatches", "hangs", "errors", "wall_s")

@@ -17,6 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from kvtool.commands.options import OutputOptions
 from kvtool.commands.pairoptions import PairOptions
+from kvtool.portable import portable
 from kvtool.errors import UserError
 from kvtool.pair.launch import launched_pair
 from kvtool.pair.preflight import check_values
@@ -216,7 +217,8 @@ def run_bench(
         else:
             reports = launched.one_by_one()
 
-    config_json = {**config.model_dump(mode="json"), "command": sys.argv, **measured}
+    config_json = portable({**config.model_dump(mode="json"), "command": sys.argv, **measured})
+    pair_config = portable(pair_config)  # no path of this machine in a result (kvtool/portable.py)
     return BenchOutcome(BenchDocument(config_json, pair_config, reports, bool(compare), failures))
 
 

@@ -13,6 +13,7 @@ from kvtool.commands.options import OutputOptions
 from kvtool.commands.pairoptions import PairOptions
 from kvtool.errors import UserError
 from kvtool.pair.config import ServePairConfig
+from kvtool.portable import portable
 from kvtool.pair.profiles import profile
 from kvtool.pair.ready import ReadyFile, read_ready_file
 from kvtool.pair.router import RouterWorkers
@@ -76,7 +77,7 @@ def _portable(cfg: ServePairConfig) -> dict[str, Any]:
     """The launch configuration as a result file keeps it: no path of this machine (the model by its
     directory's name)."""
     kept = cfg.model_dump(mode="json", exclude={"log_dir", "ready_file", "fault_control_file"})
-    return {**kept, "model": cfg.model.name}
+    return portable({**kept, "model": cfg.model.name})
 
 
 def run_load(

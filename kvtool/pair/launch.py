@@ -182,7 +182,7 @@ def launched_pair(
                 start_router(cfg, procs, say)
                 supervisor.supervise("router", ROUTER_LABEL)
                 if cfg.restart_engines:
-                    members = supervise_engines(cfg, supervisor, say, ready.refresh)
+                    members = supervise_engines(cfg, supervisor, ready.refresh)
 
             def current_info() -> ReadyFile:
                 restarts = supervisor.restarts() if supervisor is not None else {}

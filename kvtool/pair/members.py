@@ -137,13 +137,11 @@ class FleetMembers:
             thread.join(timeout_s)
 
 
-def supervise_engines(
-    cfg: ServePairConfig, supervisor: Supervisor, say: Reporter, on_change: Callable[[], None]
-) -> FleetMembers:
+def supervise_engines(cfg: ServePairConfig, supervisor: Supervisor, on_change: Callable[[], None]) -> FleetMembers:
     """Every engine of a serving fleet supervised (started again when it ends or hangs), out of the
     router's rotation while down, back in once warm; the membership, for the ready file."""
     assert cfg.router_url is not None
-    members = FleetMembers(cfg, RouterWorkers(cfg.router_url), say, on_change)
+    members = FleetMembers(cfg, RouterWorkers(cfg.router_url), supervisor.report, on_change)  # said and logged
     supervisor.on_event = members.on_supervisor
     for name in cfg.engine_names:
         supervisor.supervise(name, name, engine_policy(cfg), "warming it up before it rejoins the router's rotation")

@@ -201,11 +201,11 @@ class Supervisor:
         label = f"{self.labels[name]} (pid {proc.pid})"
         if decision.action == "recovered":
             note = self._recovered_notes.get(name, "the engines reconnect on their own (what it stored is lost)")
-            self._report(f"{label} passes its health check again after restart {tracker.restarts}; {note}")
+            self.report(f"{label} passes its health check again after restart {tracker.restarts}; {note}")
         elif decision.action == "down":
             kill_now(proc)  # a hung one, or what an exited one left in its process group
             what = f"{decision.reason}; killed it (SIGKILL)" if decision.kill else proc.how_it_ended()
-            self._report(f"{label} {what}; starting it again in {decision.delay_s:g} s ({self._where(proc)})")
+            self.report(f"{label} {what}; starting it again in {decision.delay_s:g} s ({self._where(proc)})")
         elif decision.action == "start":
             self._start_again(name, proc, tracker)
         if decision.action in ("down", "recovered") and self.on_event is not None:
@@ -219,19 +219,19 @@ class Supervisor:
             new = self.procs.restart(old)
         except (UserError, OSError) as exc:
             decision = tracker.start_failed(self.clock(), str(getattr(exc, "message", exc)))
-            self._report(
+            self.report(
                 f"could not start {self.labels[name]} again ({decision.reason}); next try in {decision.delay_s:g} s"
             )
             return
         tracker.started(self.clock())
-        self._report(f"started {self.labels[name]} again as pid {new.pid} (restart {tracker.restarts})")
+        self.report(f"started {self.labels[name]} again as pid {new.pid} (restart {tracker.restarts})")
         if self.on_restart is not None:
             self.on_restart(name, new.pid)
 
     def _where(self, proc: ManagedProcess) -> str:
         return f"same ports; health check {proc.readiness.describe()}; log {proc.log_path}"
 
-    def _report(self, message: str) -> None:
+    def report(self, message: str) -> None:
         self.say(message)
         if self.event_log is not None:
             _append_line(self.event_log, f"{datetime.now():%Y-%m-%d %H:%M:%S} {message}")

@@ -197,15 +197,10 @@ def test_scaled_prompt_length_follows_the_block_scale(length, block_tokens):
     assert (len(prompt) % block_tokens > 0) == (remainder > 0)
 
 
-def test_the_real_trace_file_replays(tmp_path):
-    # The workplace's shared trace (shared/traces/README.md): beside the repository, where the benchmark
-    # commands name it (../shared), or where this workplace keeps it for clones made elsewhere.
-    homes = [*(parent / "shared" for parent in Path(__file__).resolve().parents), Path("/work/shared")]
-    found = [home / "traces" / "mooncake_synthetic_trace.jsonl" for home in homes]
-    trace = next((path for path in found if path.is_file()), found[0])
-    if not trace.is_file():
-        pytest.skip("the shared trace is not on this machine")
-    config = BenchConfig(trace=TraceOptions(start=3969, requests=24))
+def test_the_real_trace_file_replays():
+    # The last 24 requests of the workplace's shared trace, kept in the repository (tests/data/README.md).
+    trace = Path(__file__).resolve().parents[1] / "data" / "mooncake_synthetic_trace_tail.jsonl"
+    config = BenchConfig(trace=TraceOptions(start=0, requests=24))
     steps = build_workload(f"trace:{trace}", config).steps(SHAPE)
     assert len(consumer_steps(steps)) == 24
 

@@ -150,7 +150,7 @@ def test_the_supervisor_tells_the_members_of_an_engines_death_and_recovery(proce
     router = ScriptedRouter({cfg.base_url(name) for name in cfg.engine_names})
     monkeypatch.setattr("kvtool.pair.members.RouterWorkers", lambda url: router)
     monkeypatch.setattr("kvtool.pair.members.warm_engine", lambda cfg, engine, serving, say: set())
-    members = supervise_engines(cfg, supervisor, said.append, lambda: None)
+    members = supervise_engines(cfg, supervisor, lambda: None)
     supervisor.tick()
     assert processes.first_dead() is None and members.out == frozenset()
 

@@ -14,12 +14,12 @@ for peer in vllm-mooncake-store lmcache none; do
     -w chat -w shared-prefix -w prefix-repetition \
     --requests 12 --max-tokens 8 --seed 0 \
     --output "$out/answers-kvtool-vs-$peer.json" --plot "$out/answers-kvtool-vs-$peer.png" \
-    --log-dir "/tmp/kvb/logs-answers-$peer"
+    --log-dir "$TMPDIR/kvb/logs-answers-$peer"
   COLUMNS=200 .venv/bin/python -m kvtool.cli bench --launch --model-preset bench --block-size 256 \
     --compare "kvtool,$peer" --interleave \
     -w trace:../shared/traces/mooncake_synthetic_trace.jsonl \
     --trace-start 3977 --trace-requests 16 --trace-block-tokens 48 \
     --requests 16 --max-tokens 4 --seed 0 \
     --output "$out/trace256-kvtool-vs-$peer.json" --plot "$out/trace256-kvtool-vs-$peer.png" \
-    --log-dir "/tmp/kvb/logs-trace256-$peer"
+    --log-dir "$TMPDIR/kvb/logs-trace256-$peer"
 done

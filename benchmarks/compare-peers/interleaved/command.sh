@@ -14,5 +14,5 @@ for peer in vllm-mooncake-store lmcache none; do
     --trace-start 3953 --trace-requests 36 --trace-block-tokens 12 \
     --requests 12 --max-tokens 4 --seed 0 \
     --output "$out/kvtool-vs-$peer.json" --plot "$out/kvtool-vs-$peer.png" \
-    --log-dir "/tmp/kvb/logs-interleaved-$peer"
+    --log-dir "$TMPDIR/kvb/logs-interleaved-$peer"
 done
