@@ -15,7 +15,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from kvtool.commands.options import OutputOptions
+from kvtool.commands.output import OutputOptions
 from kvtool.commands.pairoptions import PairOptions
 from kvtool.portable import portable
 from kvtool.errors import UserError

@@ -7,7 +7,8 @@ from typing import Annotated, Any
 
 import typer
 
-from kvtool.commands.options import OutputOptions, with_options
+from kvtool.commands.options import with_options
+from kvtool.commands.output import OutputOptions
 from kvtool.commands.pairoptions import PairOptions
 from kvtool.commands.output import EXIT_CODES_EPILOG, check_writable, emit, user_errors_exit
 from kvtool.errors import UserError

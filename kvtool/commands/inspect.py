@@ -8,7 +8,8 @@ from typing import Annotated
 
 import typer
 
-from kvtool.commands.options import AdminOpt, MasterOpt, NamespaceOpt, OutputOptions, ReadyFileOpt, with_options
+from kvtool.commands.options import AdminOpt, MasterOpt, NamespaceOpt, ReadyFileOpt, with_options
+from kvtool.commands.output import OutputOptions
 from kvtool.commands.output import EXIT_CODES_EPILOG, emit, user_errors_exit
 
 inspect_app = typer.Typer(

@@ -7,12 +7,16 @@ from typing import Annotated
 
 import typer
 
-from kvtool.commands.output import out, say, user_errors_exit
+from kvtool.commands.options import with_options
+from kvtool.commands.output import OutputOptions, emit, user_errors_exit
 from kvtool.errors import UserError
+from kvtool.report import Report
 
 
 @user_errors_exit
+@with_options(output=OutputOptions)
 def model_command(
+    output: OutputOptions,
     preset: Annotated[
         str,
         typer.Option(
@@ -30,14 +34,18 @@ def model_command(
         ),
     ] = None,
 ) -> None:
-    """Generate (once) a random-weight model with its tokenizer and print its directory."""
+    """Generate (once) a random-weight model with its tokenizer and print its directory (with
+    --format json: one JSON document, its preset and path)."""
     from kvtool.model import PRESETS, ensure_default_model
 
     if size is not None:
         if preset not in ("tiny", size):
             raise UserError("--size is the old name of --preset; give one of them")
-        say("--size is deprecated; use --preset")
+        output.say("--size is deprecated; use --preset")
         preset = size
     if preset not in PRESETS:
         raise UserError(f"--preset {preset!r} is not one of: {', '.join(PRESETS)}")
-    out.print(str(ensure_default_model(path, preset=preset)), soft_wrap=True, highlight=False)
+    output.check()
+    directory = ensure_default_model(path, preset=preset)
+    found = {"preset": preset, "path": str(directory)}
+    emit(Report([], summary=found, payload=found), output)

@@ -9,16 +9,14 @@ import os
 from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from dataclasses import dataclass, replace
+from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
 
 from kvtool.errors import EXIT_CODES, EXIT_INTERRUPTED, UserError
 from kvtool.report import Report
-
-if TYPE_CHECKING:
-    from kvtool.commands.options import OutputOptions
 
 out = Console()
 err = Console(stderr=True)
@@ -44,6 +42,64 @@ def check_writable(path: Path | None, flag: str) -> None:
         parent = parent.parent  # the file's directories are created, from the nearest that exists
     if not parent.is_dir() or not os.access(parent, os.W_OK):
         raise UserError(f"{flag} {path}: cannot write there ({parent} is not a writable directory)")
+
+
+# ---- the output's flags: every command that prints results ------------------------------------
+
+OUTPUT_PANEL = "Output"
+
+
+@dataclass(frozen=True)
+class OutputOptions:
+    """--format, --output and --quiet, as every command that prints results takes them."""
+
+    format: Annotated[
+        OutputFormat,
+        typer.Option("--format", help="table, or json (only the JSON report on stdout)", rich_help_panel=OUTPUT_PANEL),
+    ] = OutputFormat.table
+    output: Annotated[
+        Path | None,
+        typer.Option("--output", help="also write the JSON report to this file", rich_help_panel=OUTPUT_PANEL),
+    ] = None
+    quiet: Annotated[
+        bool,
+        typer.Option(
+            "--quiet",
+            "-q",
+            help="no table, no progress, no status lines (errors still print)",
+            rich_help_panel=OUTPUT_PANEL,
+        ),
+    ] = False
+
+    def with_legacy_json_file(self, path: Path | None) -> OutputOptions:
+        """bench's old ``--json PATH``: the same as ``--output PATH``."""
+        if path is None:
+            return self
+        if self.output is not None and self.output != path:
+            raise UserError("--json PATH is the old name of --output PATH; give one of them")
+        say("--json PATH is the old name of --output PATH and goes away in the next release; use --output")
+        return replace(self, output=path)
+
+    def with_legacy_json_flag(self, as_json: bool) -> OutputOptions:
+        """inspect's old ``--json`` flag: the same as ``--format json``."""
+        if not as_json:
+            return self
+        say("--json is the old name of --format json and goes away in the next release; use --format json")
+        return replace(self, format=OutputFormat.json)
+
+    def check(self) -> None:
+        """A file --output cannot write fails now, before anything runs."""
+        check_writable(self.output, "--output")
+
+    def say(self, message: str) -> None:
+        """A status line on stderr, unless --quiet."""
+        if not self.quiet:
+            say(message)
+
+    @property
+    def progress_console(self) -> Console | None:
+        """Where progress bars go (stderr, so stdout keeps only results); None: no progress."""
+        return None if self.quiet else err
 
 
 def emit(report: Report, options: OutputOptions) -> None:

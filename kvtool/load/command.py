@@ -9,7 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from kvtool.commands.options import OutputOptions
+from kvtool.commands.output import OutputOptions
 from kvtool.commands.pairoptions import PairOptions
 from kvtool.errors import UserError
 from kvtool.pair.config import ServePairConfig

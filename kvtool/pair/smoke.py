@@ -12,12 +12,11 @@ import httpx
 
 from kvtool import web
 from kvtool import prometheus
-from rich.console import Console
-from rich.table import Table
 
 from kvtool.client import complete
 from kvtool.errors import UserError
 from kvtool.pair.ready import ReadyFile
+from kvtool.report import ReportTable
 from kvtool.store.admin import open_admin, wait_for_quiet_key_count
 
 SEED = 7
@@ -72,8 +71,8 @@ def _flatten(params: Any, prefix: str = "") -> dict[str, str]:
     return rows
 
 
-def run_smoke(info: ReadyFile, console: Console) -> list[dict[str, Any]]:
-    """Run the exchanges and print one table (a column per exchange); return what was measured."""
+def run_smoke(info: ReadyFile) -> list[dict[str, Any]]:
+    """Run the exchanges; what each measured (``smoke_table`` shows them)."""
     model = info.model
     admin = info.admin
     cases: list[dict[str, Any]] = []
@@ -96,28 +95,30 @@ def run_smoke(info: ReadyFile, console: Console) -> list[dict[str, Any]]:
                 "kv_transfer_params": response.get("kv_transfer_params"),
             }
         )
+    return cases
 
-    table = Table(title=f"smoke: connector={info.connector} store={info.store} block_size={info.block_size}")
-    table.add_column("", style="bold", no_wrap=True)
-    for number in range(len(cases)):
-        table.add_column(f"exchange {number + 1}", justify="right", overflow="fold")
 
-    def row(label: str, values: list[str]) -> None:
-        table.add_row(label, *values)
+def smoke_table(info: ReadyFile, cases: list[dict[str, Any]]) -> ReportTable:
+    """The exchanges side by side: a column per exchange, a row per figure, then the consumer's
+    ``kv_transfer_params`` flattened (one row per field)."""
+    exchanges = [f"exchange {number + 1}" for number in range(len(cases))]
+    rows: list[dict[str, Any]] = []
 
-    row("producer prompt (max_tokens=1)", [str(c["producer_prompt_tokens"]) for c in cases])
-    row("consumer prompt (max_tokens=8)", [str(c["consumer_prompt_tokens"]) for c in cases])
+    def row(label: str, values: list[Any]) -> None:
+        rows.append({"": label, **dict(zip(exchanges, values, strict=True))})
+
+    row("producer prompt (max_tokens=1)", [c["producer_prompt_tokens"] for c in cases])
+    row("consumer prompt (max_tokens=8)", [c["consumer_prompt_tokens"] for c in cases])
     row(
         "store keys (master)",
-        ["-" if c["store_keys"] is None else "{:g} -> {:g}".format(*c["store_keys"]) for c in cases],
+        [None if c["store_keys"] is None else "{:g} -> {:g}".format(*c["store_keys"]) for c in cases],
     )
-    row("consumer cached tokens (usage)", [str(c["cached_tokens"]) for c in cases])
+    row("consumer cached tokens (usage)", [c["cached_tokens"] for c in cases])
     row("consumer external hits (/metrics)", [f"{c['external_hit_tokens_metric']:g}" for c in cases])
     flattened = [_flatten(c["kv_transfer_params"]) if c["kv_transfer_params"] is not None else {} for c in cases]
     names = sorted({name for flat in flattened for name in flat})
-    table.add_section()
     row("consumer's kv_transfer_params", ["" if names else "(absent)"] * len(cases))
     for name in names:
         row(f"  {name}", [flat.get(name, "-") for flat in flattened])
-    console.print(table)
-    return cases
+    title = f"smoke: connector={info.connector} store={info.store} block_size={info.block_size}"
+    return ReportTable(title, ["", *exchanges], rows)

@@ -391,3 +391,63 @@ def test_sigterm_stops_a_bench_as_ctrl_c_does(tmp_path):
         server.shutdown()
     assert bench.returncode == 130, stderr.decode()
     assert "interrupted" in stderr.decode() and "Traceback" not in stderr.decode()
+
+
+def test_model_with_format_json_prints_one_json_document(monkeypatch, tmp_path):
+    monkeypatch.setattr("kvtool.model.ensure_default_model", lambda path, preset: tmp_path / f"{preset}-llama")
+    result = runner.invoke(app, ["model", "--preset", "bench", "--format", "json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout) == {"preset": "bench", "path": str(tmp_path / "bench-llama")}
+    table = runner.invoke(app, ["model", "--preset", "bench"])
+    assert f"path: {tmp_path / 'bench-llama'}" in table.stdout
+
+
+def _serving():
+    """run_pair as if the pair came up: the ready callback, then the smoke check where asked."""
+    from kvtool.pair.ready import ReadyFile
+
+    info = ReadyFile(
+        producer="http://127.0.0.1:8100",
+        consumer="http://127.0.0.1:8200",
+        model="/m",
+        block_size=32,
+        hash_unit=1,
+        max_model_len=2048,
+        connector="kvtool",
+        pids={"master": 10, "producer": 11, "consumer": 12},
+        log_dir="logs",
+    )
+
+    def run_pair(cfg, say, on_ready, smoke=None, policy=None):
+        on_ready(info)
+        if smoke is not None:
+            smoke(info)
+        return 0
+
+    return info, run_pair
+
+
+@pytest.mark.parametrize("smoke", [False, True])
+def test_serve_pair_with_format_json_prints_one_json_document(monkeypatch, smoke):
+    cases = [
+        {
+            "producer_prompt_tokens": 20,
+            "consumer_prompt_tokens": 50,
+            "store_keys": None,
+            "cached_tokens": 0,
+            "external_hit_tokens_metric": 0.0,
+            "kv_transfer_params": None,
+        }
+    ]
+    info, run_pair = _serving()
+    monkeypatch.setattr("kvtool.pair.launch.run_pair", run_pair)
+    monkeypatch.setattr("kvtool.pair.smoke.run_smoke", lambda info: cases)
+    argv = ["serve-pair", "--format", "json", *(["--smoke"] if smoke else [])]
+    result = runner.invoke(app, argv)
+    assert result.exit_code == 0, result.output
+    document = json.loads(result.stdout)  # one document, nothing else on stdout
+    assert document["pair"] == info.to_json()
+    assert ("smoke" in document) == smoke and document.get("smoke", cases) == cases
+    table = runner.invoke(app, ["serve-pair", *(["--smoke"] if smoke else [])], env={"COLUMNS": "200"})
+    assert "kvtool serve-pair" in table.stdout and "http://127.0.0.1:8100" in table.stdout
+    assert ("exchange 1" in table.stdout) == smoke

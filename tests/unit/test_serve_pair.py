@@ -24,6 +24,7 @@ from kvtool.pair.engines import (
 )
 from kvtool.pair.preflight import preflight
 from kvtool.store.mooncake import master_argv, mooncake_config_path, store_argv, vllm_mooncake_file_config
+from kvtool.report import Report
 from kvtool.pair.ready import ReadyFile, admin_url_for, ready_info
 from kvtool.pair.smoke import metric_total, smoke_prompts
 
@@ -344,10 +345,11 @@ def test_smoke_table_tolerates_absent_kv_transfer_params(monkeypatch, params):
         model="/m", producer="P", consumer="C", connector="kvtool", block_size=32, hash_unit=1, max_model_len=2048
     )
     console = Console(record=True, width=100)
-    cases = smoke.run_smoke(info, console)
+    cases = smoke.run_smoke(info)
     assert [(url, n) for url, n, _ in sent] == [("P", 20), ("C", 50), ("P", 85), ("C", 115)]
     assert sent[1][2] == {"max_tokens": 8, "logprobs": 5}
     assert [c["kv_transfer_params"] for c in cases] == [params, params]
+    Report([smoke.smoke_table(info, cases)]).render(console)
     text = console.export_text()
     assert ("(absent)" in text) == (params is None)
     assert ("kvtool.tail_hit_tokens" in text) == (params is not None)
