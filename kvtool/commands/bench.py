@@ -83,6 +83,7 @@ def bench_command(
         from kvtool.load.command import load_command
 
         bench = {"max_tokens": max_tokens, "seed": seed, "tolerance": tolerance}
+        bench |= {"trace_start": workload_flags.trace_start, "trace_block_tokens": workload_flags.trace_block_tokens}
         return load_command(load_options, output, pair_options, ready_file, launch, compared, plot, **bench)
     config = BenchConfig.from_options(
         workloads=tuple(workload or ("sub-block",)),

@@ -11,6 +11,7 @@ from typing import Any
 
 from kvtool.commands.output import OutputOptions
 from kvtool.commands.pairoptions import PairOptions
+from kvtool.bench.workloads.trace import read_trace
 from kvtool.errors import UserError
 from kvtool.pair.config import ServePairConfig
 from kvtool.portable import portable
@@ -22,7 +23,7 @@ from .churn import RotationWatch, phase_summaries, victim
 from .metrics import summarize
 from .options import LoadOptions, LoadResult
 from .runner import LoadRunner, LoadTarget
-from .sessions import LoadShape, plan_sessions
+from .sessions import LoadShape, TraceLoad, plan_sessions
 
 
 def load_command(
@@ -33,16 +34,21 @@ def load_command(
     launch: bool,
     compared: list[str] | None,
     plot: Path | None = None,
+    trace_start: int = 0,
+    trace_block_tokens: int = 16,
     **bench: Any,
 ) -> None:
     """``kvtool bench --load``: check every input, run, print the report and write the plot (``bench``:
-    bench's ``max_tokens``, ``seed`` and ``tolerance``)."""
+    bench's ``max_tokens``, ``seed`` and ``tolerance``; ``trace_*``: its trace flags, for trace:PATH)."""
     from kvtool.bench.command import provenance
     from kvtool.commands.output import emit
 
     from .report import load_report
 
     options.check()
+    trace = options.trace_load(trace_start, trace_block_tokens)
+    if trace is not None:
+        read_trace(trace.path, trace.start, 1)  # a trace that cannot be read is said before any pair starts
     if options.kill_engine_after is not None and not launch and ready_file is not None:
         victim(read_ready_file(ready_file))  # a pair, or a fleet of one: said before any load
     if (ready_file is None) == (not launch):
@@ -56,9 +62,11 @@ def load_command(
         raise UserError("--kill-engine-after needs a fleet of 2 engines or more: give --engines N with --launch")
     measured = provenance()  # the commit and the cores, when the run starts
     results = run_load(
-        options, say=output.say, ready_file=ready_file, launch_cfg=launch_cfg, compared=compared, **bench
+        options, say=output.say, ready_file=ready_file, launch_cfg=launch_cfg, compared=compared, trace=trace, **bench
     )
-    config = {**measured, "load": options.__dict__, **bench, "pair": _portable(launch_cfg) if launch_cfg else None}
+    traced = {"trace": {"start": trace.start, "block_tokens": trace.block_tokens}} if trace is not None else {}
+    load = portable(options.__dict__)
+    config = {**measured, "load": load, **traced, **bench, "pair": _portable(launch_cfg) if launch_cfg else None}
     emit(load_report(results, options, config), output)
     if plot is not None:
         from .plot import write_sweep_plot
@@ -90,6 +98,7 @@ def run_load(
     ready_file: Path | None,
     launch_cfg: ServePairConfig | None,
     compared: list[str] | None,
+    trace: TraceLoad | None = None,
 ) -> list[LoadResult]:
     """The load test on the pair or fleet of ``ready_file``, or on each connector's launched in turn."""
     from kvtool.pair.launch import launched_pair
@@ -97,7 +106,7 @@ def run_load(
     def each_rate(info: ReadyFile) -> list[LoadResult]:
         # A sweep's runs in turn, each with sessions of its own seed (none finds an earlier run's prompts).
         return [
-            _measure(info, replace(options, session_rate=rate), max_tokens, seed + level, tolerance, say)
+            _measure(info, replace(options, session_rate=rate), max_tokens, seed + level, tolerance, say, trace)
             for level, rate in enumerate(options.rates())
         ]
 
@@ -117,14 +126,20 @@ def run_load(
 
 
 def _measure(
-    info: ReadyFile, options: LoadOptions, max_tokens: int, seed: int, tolerance: float, say: Callable[[str], None]
+    info: ReadyFile,
+    options: LoadOptions,
+    max_tokens: int,
+    seed: int,
+    tolerance: float,
+    say: Callable[[str], None],
+    trace: TraceLoad | None = None,
 ) -> LoadResult:
     from kvtool.pair.smoke import model_vocab_size
     from kvtool.store.admin import open_admin
 
     target = LoadTarget(info.router or info.consumer, info.model, info.block_size, info.hash_unit)
     shape = LoadShape(
-        workload=options.load,  # type: ignore[arg-type]  (checked: one of LOAD_WORKLOADS)
+        workload=options.workload,  # type: ignore[arg-type]  (checked: one of LOAD_WORKLOADS)
         sessions=options.sessions,
         block_size=info.block_size,
         vocab_size=model_vocab_size(Path(info.model)),
@@ -133,9 +148,12 @@ def _measure(
         think_s=options.think_s,
         session_rate=options.session_rate,
         seed=seed,
+        trace=trace,
     )
     plans = plan_sessions(shape)
     arrivals = "closed loop" if options.session_rate is None else f"{options.session_rate:g} sessions/s"
+    if trace is not None:
+        arrivals = f"at the trace's timestamps x {trace.time_scale:g}"
     say(
         f"{info.connector}: {options.load} load, {len(plans)} sessions ({sum(len(p.turns) for p in plans)} requests), "
         f"{options.concurrency} in flight at most, {arrivals}, to {target.url}"

@@ -4,6 +4,7 @@ connector's run gives (``LoadResult``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -13,7 +14,7 @@ from kvtool.errors import UserError
 from .churn import Churn
 from .metrics import LoadSummary
 from .runner import LoadRun
-from .sessions import LOAD_WORKLOADS
+from .sessions import LOAD_WORKLOADS, TraceLoad
 
 LOAD_PANEL = "Load test (--load)"
 
@@ -31,8 +32,10 @@ class LoadOptions:
         str | None,
         _load(
             "a load test instead of the one-request-at-a-time replay: agentic (a shared system-and-tools prompt, "
-            "each turn adds the answer and a tool result) or chat sessions, many in flight; requests go to a "
-            "fleet's router (serve-pair --engines) or a pair's consumer",
+            "each turn adds the answer and a tool result) or chat sessions, many in flight, or trace:PATH (a "
+            "Mooncake trace at its timestamps, --sessions of its requests from --trace-start, scaled by "
+            "--trace-block-tokens and --time-scale); requests go to a fleet's router (serve-pair --engines) or "
+            "a pair's consumer",
             "--load",
         ),
     ] = None
@@ -56,6 +59,9 @@ class LoadOptions:
             "--sweep-rates",
         ),
     ] = None
+    time_scale: Annotated[
+        float, _load("--load trace:PATH: the trace's arrival times multiplied by this (10: a tenth of its rate)")
+    ] = 1.0
     kill_engine_after: Annotated[
         float | None,
         _load(
@@ -64,6 +70,19 @@ class LoadOptions:
             "--kill-engine-after",
         ),
     ] = None
+
+    @property
+    def workload(self) -> str:
+        """The workload's name: agentic, chat or trace (of trace:PATH)."""
+        return (self.load or "").split(":", 1)[0]
+
+    def trace_load(self, start: int, block_tokens: int) -> TraceLoad | None:
+        """``--load trace:PATH`` with bench's --trace-start and --trace-block-tokens; None for a session
+        workload."""
+        if self.workload != "trace":
+            return None
+        path = Path((self.load or "").split(":", 1)[1])
+        return TraceLoad(path, start=start, block_tokens=block_tokens, time_scale=self.time_scale)
 
     def rates(self) -> list[float | None]:
         """The session rates to run in turn: the sweep's, else the one of ``--session-rate`` (None: a closed
@@ -74,8 +93,14 @@ class LoadOptions:
 
     def check(self) -> None:
         """The flags' values, checked before any pair is read or started; a UserError naming the flag."""
-        if self.load not in LOAD_WORKLOADS:
-            raise UserError(f"--load {self.load!r} is not one of: {', '.join(LOAD_WORKLOADS)}")
+        if self.workload not in LOAD_WORKLOADS or (self.workload == "trace") != (":" in (self.load or "")):
+            raise UserError(f"--load {self.load!r} is not one of: agentic, chat, trace:PATH (a Mooncake trace)")
+        if not self.time_scale > 0 or self.time_scale == float("inf"):
+            raise UserError(f"--time-scale {self.time_scale:g} must be a number above 0")
+        if self.workload == "trace" and (self.session_rate is not None or self.sweep_rates is not None):
+            raise UserError(
+                "--load trace:PATH sends at the trace's timestamps: leave --session-rate and --sweep-rates out"
+            )
         for flag, value, least in (
             ("--sessions", self.sessions, 1),
             ("--concurrency", self.concurrency, 1),

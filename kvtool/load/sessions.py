@@ -10,6 +10,10 @@ builds the prompt as the session goes.
   results and answers end mid-block, so every turn's tail is what block-granular caches drop).
 - ``chat``: a multi-turn chat. A short opening message, then user messages of a few to two blocks'
   worth of tokens.
+- ``trace:PATH``: a Mooncake trace (shared/traces/README.md) at its timestamps: each request one
+  single-turn session arriving at its ``timestamp`` times ``time_scale``, its prompt made from its
+  ``hash_ids`` as ``kvtool bench --workload trace:`` makes it (equal ids, equal tokens; each 512-token
+  trace block ``block_tokens`` tokens), its answer ``output_length`` tokens at most.
 
 Sessions start at once (closed loop: the runner keeps ``concurrency`` of them in flight) or at
 Poisson arrivals of ``session_rate`` a second (open loop).
@@ -19,12 +23,14 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from kvtool.bench.workloads.base import FIRST_TOKEN_ID
+from kvtool.bench.workloads.trace import read_trace, scaled_prompt
 
-LoadWorkload = Literal["agentic", "chat"]
-LOAD_WORKLOADS: tuple[LoadWorkload, ...] = ("agentic", "chat")
+LoadWorkload = Literal["agentic", "chat", "trace"]
+LOAD_WORKLOADS: tuple[LoadWorkload, ...] = ("agentic", "chat", "trace")  # trace as trace:PATH
 MAX_TURNS = 8  # turns a session takes at most (fewer when its prompt would pass the engine's limit)
 
 
@@ -51,6 +57,16 @@ class SessionPlan:
 
 
 @dataclass(frozen=True)
+class TraceLoad:
+    """A trace replayed at its timestamps (``--load trace:PATH``)."""
+
+    path: Path
+    start: int = 0  # first trace line (0-based)
+    block_tokens: int = 16  # tokens one 512-token trace block becomes
+    time_scale: float = 1.0  # arrival times multiplied by this (2: half the rate)
+
+
+@dataclass(frozen=True)
 class LoadShape:
     workload: LoadWorkload
     sessions: int
@@ -61,11 +77,14 @@ class LoadShape:
     think_s: float  # mean think time between turns (exponential)
     session_rate: float | None  # sessions a second, Poisson; None: all at once (closed loop)
     seed: int
+    trace: TraceLoad | None = None  # the trace workload's
 
 
 def plan_sessions(shape: LoadShape) -> list[SessionPlan]:
     """The sessions of a run; the same shape gives the same sessions."""
     rng = random.Random(f"kvtool-load:{shape.workload}:{shape.seed}")
+    if shape.trace is not None:
+        return _trace_sessions(rng, shape, shape.trace)
     shared = _system_prompt(rng, shape) if shape.workload == "agentic" else ()
     plans, start = [], 0.0
     for index in range(shape.sessions):
@@ -111,3 +130,23 @@ def _turns(rng: random.Random, shape: LoadShape, shared: tuple[int, ...]) -> tup
         think = rng.expovariate(1.0 / shape.think_s) if shape.think_s > 0 else 0.0
         turns.append(Turn(message, shape.answer_tokens, think))
     return tuple(turns)
+
+
+def _trace_sessions(rng: random.Random, shape: LoadShape, trace: TraceLoad) -> list[SessionPlan]:
+    """``shape.sessions`` requests of the trace from line ``trace.start``, each a session of one turn
+    at its arrival; a record without a timestamp arrives with the one before it."""
+    requests = read_trace(trace.path, trace.start, shape.sessions)
+    content: dict[int, tuple[int, ...]] = {}
+    for request in requests:
+        for block in request.hash_ids:
+            if block not in content:
+                content[block] = _tokens(rng, trace.block_tokens, shape.vocab_size)
+    first = next((r.timestamp_ms for r in requests if r.timestamp_ms is not None), 0)
+    plans, arrival = [], 0.0
+    for index, request in enumerate(requests):
+        if request.timestamp_ms is not None:
+            arrival = max(arrival, (request.timestamp_ms - first) / 1000.0 * trace.time_scale)
+        prompt = tuple(scaled_prompt(request, trace.block_tokens, content)[: shape.max_prompt_tokens])
+        answer = max(1, min(request.output_length, shape.answer_tokens))
+        plans.append(SessionPlan(index, arrival, (Turn(prompt, answer, 0.0),)))
+    return plans

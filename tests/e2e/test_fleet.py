@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -140,6 +141,24 @@ def test_a_load_of_agent_sessions_through_the_router_completes_and_answers_exact
     assert summary["ttft_ms"]["p99"] is not None and summary["output_throughput"] > 0
     turns = {(r["session"], r["turn"]) for r in result["requests"]}
     assert len(turns) == summary["requests"]  # each turn once, after its session's answer
+
+
+def test_a_trace_replayed_at_its_timestamps_through_the_router_answers_exactly(fleet, tmp_path):
+    """kvtool bench --load trace:PATH: the committed excerpt of the shared trace, 6 requests at their
+    timestamps (scaled), every request answered and every sampled answer a recomputation's."""
+    trace = Path(__file__).resolve().parents[1] / "data" / "mooncake_synthetic_trace_tail.jsonl"
+    out = tmp_path / "trace.json"
+    argv = [sys.executable, "-m", "kvtool.cli", "bench", "--pair", fleet["ready_file"], "--load", f"trace:{trace}"]
+    argv += ["--sessions", "6", "--time-scale", "0.01", "--trace-block-tokens", "8", "--concurrency", "3"]
+    argv += ["--max-tokens", "4", "--check-every", "2", "--format", "json", "--output", str(out), "--quiet"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    document = json.loads(out.read_text())
+    (result,) = document["results"]
+    assert result["summary"]["requests"] == 6 and result["summary"]["failed"] == 0
+    assert result["checked"].get("matched", 0) >= 2 and not result["checked"].get("differed")
+    assert document["configuration"]["trace"] == {"start": 0, "block_tokens": 8}
+    assert sorted((r["session"], r["turn"]) for r in result["requests"]) == [(n, 0) for n in range(6)]  # a turn each
 
 
 def test_an_engine_killed_mid_run_is_taken_out_the_fleet_serves_on_and_it_rejoins_warm(fleet):

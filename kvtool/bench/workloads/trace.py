@@ -30,6 +30,7 @@ class TraceRequest:
     input_length: int
     output_length: int
     hash_ids: tuple[int, ...]
+    timestamp_ms: int | None = None  # its arrival, from the trace's first request (None: the record has none)
 
 
 def _whole(value: object) -> bool:
@@ -47,7 +48,12 @@ def parse_trace_line(line: str, where: str) -> TraceRequest:
         raise UserError(f"{where}: input_length and output_length must be whole numbers (output_length 0 or more)")
     if not isinstance(hash_ids, list) or not all(_whole(block) for block in hash_ids):
         raise UserError(f"{where}: hash_ids must be a list of whole numbers, one a 512-token block")
-    request = TraceRequest(input_length, output_length, tuple(hash_ids))
+    timestamp = record.get("timestamp")
+    if timestamp is not None and not (isinstance(timestamp, int | float) and not isinstance(timestamp, bool)):
+        raise UserError(f"{where}: timestamp must be a number of milliseconds")
+    if timestamp is not None and timestamp < 0:
+        raise UserError(f"{where}: timestamp {timestamp} must be 0 or more")
+    request = TraceRequest(input_length, output_length, tuple(hash_ids), None if timestamp is None else int(timestamp))
     expected_ids = -(-request.input_length // TRACE_BLOCK_TOKENS)
     if request.input_length <= 0 or len(request.hash_ids) != expected_ids:
         raise UserError(
