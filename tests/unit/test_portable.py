@@ -9,12 +9,13 @@ from pathlib import Path
 
 from kvtool.portable import REPO_ROOT, machine_prefixes, portable, portable_text
 
-PREFIXES = [("/work/main", "."), ("/root", "~"), ("/work", ".."), ("/tmp", "$TMPDIR")]
+# A machine's: its checkout, its home directory, the folder the checkout lies in, its temporary folder.
+PREFIXES = [("/srv/ci/kvtool", "."), ("/home/ci", "~"), ("/srv/ci", ".."), ("/tmp", "$TMPDIR")]
 
 
 def test_a_command_and_its_paths_are_written_as_a_user_types_them():
-    command = ["/work/main/kvtool/cli.py", "bench", "--model", "/root/.cache/kvtool/models/bench-llama"]
-    command += ["--log-dir", "/tmp/kvb/logs", "--workload", "trace:/work/shared/traces/t.jsonl"]
+    command = ["/srv/ci/kvtool/kvtool/cli.py", "bench", "--model", "/home/ci/.cache/kvtool/models/bench-llama"]
+    command += ["--log-dir", "/tmp/kvb/logs", "--workload", "trace:/srv/ci/shared/traces/t.jsonl"]
     written = [portable_text(part, PREFIXES) for part in command]
     assert written == [
         "kvtool",
@@ -26,8 +27,8 @@ def test_a_command_and_its_paths_are_written_as_a_user_types_them():
         "--workload",
         "trace:../shared/traces/t.jsonl",
     ]
-    assert portable_text("/work/main/.venv/bin/python -m x", PREFIXES) == ".venv/bin/python -m x"
-    assert portable_text("/work/main", PREFIXES) == "."
+    assert portable_text("/srv/ci/kvtool/.venv/bin/python -m x", PREFIXES) == ".venv/bin/python -m x"
+    assert portable_text("/srv/ci/kvtool", PREFIXES) == "."
     assert portable_text("/usr/bin/kvtool", PREFIXES) == "kvtool"  # the entry point, wherever installed
 
 

@@ -7,7 +7,6 @@ import socket
 from pathlib import Path
 
 import pytest
-from rich.console import Console
 
 from kvtool.pair import procs
 from kvtool.errors import UserError
@@ -24,8 +23,7 @@ from kvtool.pair.engines import (
 )
 from kvtool.pair.preflight import preflight
 from kvtool.store.mooncake import master_argv, mooncake_config_path, store_argv, vllm_mooncake_file_config
-from kvtool.report import Report
-from kvtool.pair.ready import ReadyFile, admin_url_for, ready_info
+from kvtool.pair.ready import admin_url_for, ready_info
 from kvtool.pair.smoke import metric_total, smoke_prompts
 
 MiB = 1 << 20
@@ -326,33 +324,6 @@ def test_the_cpu_demo_configs_are_what_serve_pair_generates(tmp_path):
             assert json.loads((configs / f"kv-transfer-{name}.json").read_text()) == generated, name
     expected = vllm_mooncake_file_config(make_config(tmp_path).master_address)
     assert json.loads((configs / "mooncake.json").read_text()) == expected
-
-
-@pytest.mark.parametrize("params", [None, {"kvtool": {"external_hit_tokens": 85, "tail_hit_tokens": 21}}])
-def test_smoke_table_tolerates_absent_kv_transfer_params(monkeypatch, params):
-    import kvtool.pair.smoke as smoke
-
-    sent = []
-    monkeypatch.setattr(smoke, "_metrics", lambda url: "master_key_count 2\nvllm:external_prefix_cache_hits_total 0\n")
-    monkeypatch.setattr(smoke, "model_vocab_size", lambda model: 1024)
-
-    def fake_complete(base_url, model, prompt, **kwargs):
-        sent.append((base_url, len(prompt), kwargs))
-        return {"usage": {"prompt_tokens_details": {"cached_tokens": 0}}, "kv_transfer_params": params}
-
-    monkeypatch.setattr(smoke, "complete", fake_complete)
-    info = ReadyFile(
-        model="/m", producer="P", consumer="C", connector="kvtool", block_size=32, hash_unit=1, max_model_len=2048
-    )
-    console = Console(record=True, width=100)
-    cases = smoke.run_smoke(info)
-    assert [(url, n) for url, n, _ in sent] == [("P", 20), ("C", 50), ("P", 85), ("C", 115)]
-    assert sent[1][2] == {"max_tokens": 8, "logprobs": 5}
-    assert [c["kv_transfer_params"] for c in cases] == [params, params]
-    Report([smoke.smoke_table(info, cases)]).render(console)
-    text = console.export_text()
-    assert ("(absent)" in text) == (params is None)
-    assert ("kvtool.tail_hit_tokens" in text) == (params is not None)
 
 
 def test_the_ready_file_serve_pair_writes_is_the_one_every_reader_parses(tmp_path):
