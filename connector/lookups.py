@@ -21,7 +21,8 @@ from .backend import KVStore
 from .calls import BoundedCalls, StoreError
 from .objects import pointer_size
 from .prefix import PromptKeys
-from .search import ExistsFn, ReadFn, StoredPrefix, find_stored_prefixes
+from .refs import StoredPrefix
+from .search import ExistsFn, ReadFn, find_stored_prefixes
 
 Outcome = StoredPrefix | StoreError
 T = TypeVar("T")

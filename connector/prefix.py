@@ -9,41 +9,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
 
 from .groups import CacheGroup, GroupKind
 from .hashing import block_hashes, pack_tokens, save_tail_boundary, tail_boundaries, tail_hash, tail_hashes
 from .keys import KeyKind, object_key, object_key_prefix
 
+from .refs import LoadPlan, ObjectRef, StoredPrefix, new_ref
 from .served import ServedIndex
-
-if TYPE_CHECKING:  # search.py uses this module; StoredPrefix is only an annotation here
-    from .search import StoredPrefix
 
 
 def single_group(block_size: int) -> tuple[CacheGroup, ...]:
     """The layout of a plain model: one full-attention group."""
     return (CacheGroup(0, GroupKind.FULL, block_size),)
-
-
-class ObjectRef(NamedTuple):
-    """One stored object of one group, and the request block (index within the group) it fills.
-
-    (A named tuple, not a frozen dataclass: a lookup at block 256 and hash unit 1 builds hundreds per
-    prompt, and a frozen dataclass costs several times as much to make.)"""
-
-    key: str
-    group: int
-    kind: KeyKind
-    block_index: int
-    token_start: int
-    token_end: int  # end of the object's valid tokens (block end, tail boundary, or the state's position)
-    chain_hash: bytes
-
-
-# A ref made from its fields' tuple: a named tuple's own ``__new__`` is a Python function, several times
-# the cost of the tuple itself (a lookup at hash unit 1 makes a whole block's refs).
-_new_ref = tuple.__new__
 
 
 @dataclass(frozen=True)
@@ -158,7 +135,7 @@ class PromptKeys:
         if refs is None:
             prefix, bs, kind = object_key_prefix(self.namespace, group, KeyKind.BLOCK), self.block_size, KeyKind.BLOCK
             refs = self._blocks[group] = [
-                _new_ref(
+                new_ref(
                     ObjectRef, (f"{prefix}{(i + 1) * bs}/{digest.hex()}", group, kind, i, i * bs, (i + 1) * bs, digest)
                 )
                 for i, digest in enumerate(self.block_chain)
@@ -263,7 +240,7 @@ class PromptKeys:
             ends = self._inner[block_index] = sorted(found)
         return ends
 
-    def _inner_refs(self, end: int, group: int) -> list[ObjectRef]:
+    def inner_refs(self, end: int, group: int) -> list[ObjectRef]:
         """What may hold a prefix ending at ``end`` inside a block: its tail, its pointer."""
         refs = [self.tail_ref(end, group)] if end % self.hash_unit == 0 else []
         if self.grid and (end % self.grid == 0 or self.is_lead(end)):
@@ -288,7 +265,7 @@ class PromptKeys:
         return refs
 
     def _inner_refs_at(self, ends: Sequence[int], group: int) -> list[ObjectRef]:
-        """``_inner_refs`` of each of ``ends`` (none block-aligned), built in one pass: at hash unit 1 a
+        """``inner_refs`` of each of ``ends`` (none block-aligned), built in one pass: at hash unit 1 a
         lookup asks for a whole block's tails (255 at block 256), and one by one that was most of its CPU."""
         missing: dict[int, list[int]] = {}  # block -> the ends not hashed yet, each block's at once
         for end in ends:
@@ -312,7 +289,7 @@ class PromptKeys:
             if ref is None:  # ``_keep``, inline: a lookup at hash unit 1 makes a whole block's refs
                 digest, index = hashes[end], end // bs
                 key = f"{prefix}{end}/{digest.hex()}"
-                ref = refs[kind, end, group] = by_key[key] = _new_ref(
+                ref = refs[kind, end, group] = by_key[key] = new_ref(
                     ObjectRef, (key, group, kind, index, index * bs, end, digest)
                 )
             found.append(ref)
@@ -339,7 +316,7 @@ class PromptKeys:
                 return block
         for boundary in self.inner_candidates(index):
             if boundary >= hit:
-                for ref in self._inner_refs(boundary, group.index):
+                for ref in self.inner_refs(boundary, group.index):
                     if ref.key in present:
                         return ref
         return None
@@ -378,17 +355,6 @@ class PromptKeys:
     def serves(self, hit: int, present: frozenset[str]) -> bool:
         """Whether every group holds what a hit of ``hit`` tokens needs."""
         return hit > 0 and all(self.objects_for(group, hit, present) is not None for group in self.groups)
-
-
-@dataclass(frozen=True)
-class LoadPlan:
-    """What a consumer loads: tokens [local_tokens, local_tokens + external_tokens)."""
-
-    local_tokens: int
-    external_tokens: int
-    block_tokens: int  # of external_tokens, those that come from full-block objects
-    tail_tokens: int  # of external_tokens, those that come from a tail object
-    objects: tuple[ObjectRef, ...]
 
 
 def plan_load(keys: PromptKeys, stored: StoredPrefix, local_tokens: int) -> LoadPlan:

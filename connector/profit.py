@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING
 
 from .keys import KeyKind
 from .objects import HEADER_SIZE
-from .prefix import LoadPlan, ObjectRef, PromptKeys, plan_load
+from .prefix import PromptKeys, plan_load
+from .refs import LoadPlan, ObjectRef, StoredPrefix
 
 if TYPE_CHECKING:
-    from .search import StoredPrefix
     from .timeline import Timeline
 
 DESCRIBE_EVERY_S = 300.0

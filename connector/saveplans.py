@@ -7,7 +7,8 @@ from dataclasses import replace
 
 from .data import BlockTransfer, RequestSave
 from .groups import NULL_BLOCK_ID, CacheGroup, GroupKind
-from .prefix import ObjectRef, PromptKeys
+from .prefix import PromptKeys
+from .refs import ObjectRef
 
 
 def save_transfer(keys: PromptKeys, ref: ObjectRef, block_id: int) -> BlockTransfer:

@@ -17,7 +17,8 @@ from .calls import BoundedCalls
 from .counters import Counters, WarnOnce
 from .lookups import POINTER_READ_SHARE, LookupBatcher, pointer_reader
 from .lookupwait import LookupPacing
-from .prefix import ObjectRef, plan_load, plan_save, single_group
+from .prefix import plan_load, plan_save, single_group
+from .refs import ObjectRef
 from .profit import HitJudge
 from .ranks import on_every_rank, rank_components
 from .search import find_saved_objects, find_stored_prefixes

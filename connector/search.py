@@ -17,7 +17,8 @@ from .groups import GroupKind
 from .hashing import block_hashes, tail_hash
 from .keys import KeyKind, decode_key, object_key
 from .objects import ObjectRejected, PointerRecord, verify_pointer
-from .prefix import ObjectRef, PromptKeys, plan_save
+from .prefix import PromptKeys, plan_save
+from .refs import ObjectRef, StoredPrefix
 from .probes import all_full, block_sentinels, first_block_probes, first_block_sentinels, past_pointer_ends, sparse
 
 ExistsFn = Callable[[list[str]], list[bool]]
@@ -32,36 +33,6 @@ def _nothing_in_first_block(keys: PromptKeys, found: frozenset[str]) -> bool:
     if sentinels is None:
         return False
     return not any(ref.key in found for ref in keys.probe_refs(sentinels, blocks=False))
-
-
-@dataclass(frozen=True)
-class StoredPrefix:
-    """The longest prefix of a prompt whose KV is in the store, for every group."""
-
-    block_size: int
-    tokens: int  # the longest stored prefix, the whole prompt included
-    hit_tokens: int  # the longest stored prefix a load can claim: at least one prompt token is computed
-    present: frozenset[str] = frozenset()  # every key the lookup found stored
-    queries: int = 1  # round trips it took
-    # Pointer key -> the object it names, read and found stored by the lookup: a load reads that object.
-    targets: dict[str, ObjectRef] = field(default_factory=dict)
-    # A pointer read failed (the store, not the record): hits that relied on it were dropped.
-    pointer_read_failed: bool = False
-    # The hit was extended past the ends its keys name by pointer records' token ids (the exact point
-    # where the prompt leaves a stored one): group -> the object holding the hit's last token.
-    extended: dict[int, ObjectRef] = field(default_factory=dict)
-
-    @property
-    def full_blocks(self) -> int:
-        return self.tokens // self.block_size
-
-    @property
-    def tail_boundary(self) -> int | None:
-        return self.tokens if self.tokens % self.block_size else None
-
-    @property
-    def block_tokens(self) -> int:
-        return self.full_blocks * self.block_size
 
 
 def find_stored_prefix(

@@ -16,13 +16,37 @@ from __future__ import annotations
 import weakref
 from bisect import bisect_left
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from .groups import CacheGroup, GroupKind
 from .keys import KeyKind
+from .refs import ObjectRef
 
-if TYPE_CHECKING:  # prefix.py uses this module; these names are only annotations here
-    from .prefix import ObjectRef, PromptKeys
+
+class PromptKeys(Protocol):
+    """What the index reads of a prompt's keys (``connector.prefix.PromptKeys``, which builds and keeps
+    one index per stored-key set: named here by what it offers, so neither module needs the other)."""
+
+    tokens: tuple[int, ...]
+    block_size: int
+    groups: tuple[CacheGroup, ...]
+
+    @property
+    def num_full_blocks(self) -> int: ...
+
+    def block_ref(self, index: int, group: int = 0) -> ObjectRef: ...
+
+    def block_refs(self, group: int = 0) -> list[ObjectRef]: ...
+
+    def state_ref(self, end: int, group: int) -> ObjectRef: ...
+
+    def ref_of(self, key: str) -> ObjectRef | None: ...
+
+    def inner_candidates(self, block_index: int) -> list[int]: ...
+
+    def inner_refs(self, end: int, group: int) -> list[ObjectRef]: ...
+
+    def serves(self, hit: int, present: frozenset[str]) -> bool: ...
 
 
 class ServedIndex:
@@ -145,7 +169,7 @@ class ServedIndex:
             first_stored: list[ObjectRef | None] = [None] * (len(ends) + 1)
             for position in range(len(ends) - 1, -1, -1):
                 stored = next(
-                    (ref for ref in self._keys._inner_refs(ends[position], group) if ref.key in self._present), None
+                    (ref for ref in self._keys.inner_refs(ends[position], group) if ref.key in self._present), None
                 )
                 first_stored[position] = stored if stored is not None else first_stored[position + 1]
             found = self._inner[(group, block)] = (ends, first_stored[: len(ends)])
@@ -163,6 +187,6 @@ def _stored_inner(keys: PromptKeys, present: frozenset[str]) -> dict[tuple[int, 
             return None
         if ref.kind is KeyKind.TAIL or ref.kind is KeyKind.POINTER:
             at = found.setdefault((ref.group, ref.block_index), {})
-            if ref.kind is KeyKind.TAIL or ref.token_end not in at:  # a tail first, as ``_inner_refs`` has it
+            if ref.kind is KeyKind.TAIL or ref.token_end not in at:  # a tail first, as ``inner_refs`` has it
                 at[ref.token_end] = ref
     return found

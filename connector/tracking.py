@@ -23,8 +23,8 @@ from .hashing import RequestIdentity, UnkeyableTokens
 from .hits import HitDetails
 from .identity import UnhashableRequest, identity_size, prompt_tokens, request_identity
 from .keys import watermark_key
-from .prefix import LoadPlan, ObjectRef, PromptKeys
-from .search import StoredPrefix
+from .prefix import PromptKeys
+from .refs import LoadPlan, ObjectRef, StoredPrefix
 from .timeline import Timeline
 from .watermarks import SEQ_FINAL
 

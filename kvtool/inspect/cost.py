@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from connector.keys import KeyKind
-from connector.prefix import LoadPlan, ObjectRef
+from connector.refs import LoadPlan, ObjectRef
 from connector.profit import CostModel, judge
 from kvtool.errors import UserError
 

@@ -1,7 +1,7 @@
 """The shape issue 20 set for the code, held: no module over 450 lines anywhere in the project
 (benchmarks and tests included), no function over 80 lines, every line as ``ruff format`` writes it
 (no marker that keeps a line from it), and no import cycle among kvtool/ and
-connector/ modules (imports inside functions included; ``if TYPE_CHECKING:`` blocks are not imports)."""
+connector/ modules (imports inside functions and ``if TYPE_CHECKING:`` blocks included)."""
 
 from __future__ import annotations
 
@@ -65,19 +65,12 @@ def module_name(path: Path) -> str:
 
 
 def imported(path: Path, name: str, known: set[str]) -> set[str]:
-    """The project modules ``path`` imports at run time (any depth, deferred ones too)."""
+    """The project modules ``path`` imports (any depth, deferred ones and ``if TYPE_CHECKING:`` ones
+    too: a circle of types is a circle of concerns)."""
     tree = ast.parse(path.read_text())
-    type_only = {
-        id(inner)
-        for node in ast.walk(tree)
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-        for inner in ast.walk(node)
-    }
     package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
     found: set[str] = set()
     for node in ast.walk(tree):
-        if id(node) in type_only:
-            continue
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):

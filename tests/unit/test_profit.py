@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from connector.keys import KeyKind
-from connector.prefix import LoadPlan, ObjectRef
+from connector.refs import LoadPlan, ObjectRef
 from connector.profit import MIN_SAMPLES, PRIOR_SECONDS_PER_BYTE, CostModel, LinearFit, judge
 
 BLOCK_BYTES = 1_000_000
