@@ -9,7 +9,6 @@ leaves the engine serving without the connector's help (one warning).
 from __future__ import annotations
 
 import logging
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,9 +22,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from .breaker import BreakerPolicy, CircuitBreaker, GuardedStore
+from .breaker import CircuitBreaker
 from .instrumented import InstrumentedStore
-from .config import ConfigError, KVToolConfig, check_block_size, load_config
+from .config import ConfigError, check_block_size, load_config
 from .data import KVToolMetadata, KVToolWorkerMeta
 from .layout import EngineLayout, UnsupportedLayout, check_attention_layout, engine_layout, state_reuse_warnings
 from .hooktime import HookClock, on_engine_thread
@@ -33,10 +32,9 @@ from .keys import Namespace
 from .metrics import KVToolStats
 from .ranks import rank_namespace
 from .scheduler import SchedulerSide
-from .latestore import LateStore
-from .mooncake import probe_master
-from .store import CALL_THREADS, KVStore, StoreError, open_store
-from .worker import WORKER_STORE_CALLS, WorkerSide
+from .stack import breaker_policy, open_store_stack
+from .store import TimedStore
+from .worker import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -86,7 +84,7 @@ class KVToolConnector(KVConnectorBase_V1, SupportsHMA):
             for warning in state_reuse_warnings(self.layout.groups, self.config.hash_unit, match_unit, saves_enabled):
                 logger.warning("kvtool: %s", warning)
         self.namespace = self.layout.namespace if self.layout is not None else None
-        self._breaker = CircuitBreaker(_breaker_policy(self.config))  # the store's health, which both sides consult
+        self._breaker = CircuitBreaker(breaker_policy(self.config))  # the store's health, which both sides consult
         self._store = self._open_store(role) if self.layout is not None else None
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
@@ -115,36 +113,9 @@ class KVToolConnector(KVConnectorBase_V1, SupportsHMA):
                 defer_copies=_v1_model_runner(vllm_config),
             )
 
-    def _open_store(self, role: KVConnectorRole) -> InstrumentedStore | None:
+    def _open_store(self, role: KVConnectorRole) -> InstrumentedStore | TimedStore:
         # Only the worker lends memory to the store; the scheduler side only asks what exists.
-        worker = role == KVConnectorRole.WORKER
-        config = self.config if worker else self.config.with_mooncake(global_segment_size=0)
-        opener = partial(open_store, config, shared=True, call_threads=WORKER_STORE_CALLS if worker else CALL_THREADS)
-        # The client's setup holds the GIL while a port that accepts does not answer (a frozen master,
-        # another service on the port): up to ten minutes of a stalled start. The same setup is made
-        # first in a child process, bounded there (``mooncake.probe_master``).
-        probe = partial(probe_master, config) if config.store_backend == "mooncake" else lambda: None
-        shared: KVStore
-        try:
-            why = probe()
-            if why is not None:
-                raise StoreError(why)
-            shared = opener()
-        except StoreError as exc:
-            address = self.config.mooncake.master_server_address
-            logger.warning(
-                "kvtool: Mooncake store at %s is unavailable (%s); serving without the connector's help until "
-                "it answers (tried again in the background)",
-                address,
-                exc,
-            )
-            shared = LateStore(opener, probe, what=f"the Mooncake store at {address}")
-        side = "worker" if worker else "scheduler"
-        # A lookup answered slowly costs every request its latency: the scheduler side's calls count as
-        # failed past slow_call_ms (the worker's loads and puts are sized by their objects, not judged so).
-        slow_s = None if worker else self.config.slow_call_ms / 1000
-        # Counted outside the breaker: a call's time is what its caller waited, skips included.
-        return InstrumentedStore(GuardedStore(shared, self._breaker, side, slow_call_s=slow_s))
+        return open_store_stack(self.config, "worker" if role == KVConnectorRole.WORKER else "scheduler", self._breaker)
 
     # ---- scheduler side ---------------------------------------------------------------------------
 
@@ -340,10 +311,6 @@ def _v1_model_runner(vllm_config: VllmConfig) -> bool:
         return vllm_config.use_v2_model_runner is False
     except Exception:  # noqa: BLE001 - a config vLLM cannot settle here: copy on the engine's thread
         return False
-
-
-def _breaker_policy(config: KVToolConfig) -> BreakerPolicy:
-    return BreakerPolicy(config.breaker_failures, config.breaker_backoff_s, config.breaker_max_backoff_s)
 
 
 def _placeholder_namespace() -> Namespace:

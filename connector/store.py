@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-__all__ = ["BACKENDS", "KVStore", "PutOutcome", "SharedStore", "StoreError", "TimedStore", "open_store"]
+__all__ = ["BACKENDS", "PROBES", "KVStore", "PutOutcome", "SharedStore", "StoreError", "TimedStore", "open_store"]
 
 logger = logging.getLogger("vllm.kvtool")
 
@@ -125,8 +125,17 @@ def _mooncake(config: KVToolConfig) -> KVStore:
     return MooncakeStore(config)
 
 
+def _mooncake_probe(config: KVToolConfig) -> str | None:
+    from .mooncake import probe_master
+
+    return probe_master(config)
+
+
 # Store backends by name (the config's ``store_backend``); a new backend is one module and one line here.
 BACKENDS: dict[str, Callable[[KVToolConfig], KVStore]] = {"mooncake": _mooncake}
+# Whether a backend's client can be set up, asked before setting it up where that may stall the caller
+# (None: it can, else why not); a backend without one is opened straight away.
+PROBES: dict[str, Callable[[KVToolConfig], str | None]] = {"mooncake": _mooncake_probe}
 
 
 def open_store(config: KVToolConfig, *, shared: bool = False, call_threads: int = CALL_THREADS) -> TimedStore:

@@ -43,8 +43,8 @@ from connector.data import BlockTransfer, KVToolMetadata, RequestLoad, RequestSa
 from connector.keys import Namespace  # noqa: E402
 from connector.objects import HEADER_SIZE, payload_checksum  # noqa: E402
 from connector.prefix import PromptKeys, plan_save  # noqa: E402
-from connector.store import open_store  # noqa: E402
-from connector.worker import WORKER_STORE_CALLS, WorkerSide  # noqa: E402
+from connector.stack import open_store_stack  # noqa: E402
+from connector.worker import WorkerSide  # noqa: E402
 from kvtool.store.master import LocalMaster  # noqa: E402
 from published import provenance, write_result  # noqa: E402 - the sibling module
 
@@ -87,7 +87,7 @@ def engine(config, blocks: int, device: str = "cpu") -> tuple[WorkerSide, dict[s
     through the pinned staging areas on copy streams, ``connector/devicecopy.py``)."""
     shape = (blocks + 1, 2, HEADS, BLOCK, DIM)
     caches = {f"layer.{i}": torch.randn(shape).to(torch.bfloat16).to(device) for i in range(LAYERS)}
-    side = WorkerSide(NS, open_store(config, call_threads=WORKER_STORE_CALLS), config, saves_enabled=True)
+    side = WorkerSide(NS, open_store_stack(config, "worker"), config, saves_enabled=True)
     side.register_kv_caches(caches, [list(caches)], blocks + 1)
     return side, caches
 

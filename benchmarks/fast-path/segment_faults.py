@@ -107,8 +107,8 @@ def connector_saves(config, count: int) -> dict[str, float]:
     from connector.keys import Namespace
     from connector.prefix import PromptKeys, plan_save
     from connector.saveplans import save_transfer
-    from connector.store import open_store
-    from connector.worker import WORKER_STORE_CALLS, WorkerSide
+    from connector.stack import open_store_stack
+    from connector.worker import WorkerSide
 
     ns = Namespace(
         model="bench",
@@ -121,7 +121,7 @@ def connector_saves(config, count: int) -> dict[str, float]:
     )
     blocks = 41  # saves take their blocks in turn: what they hold does not matter here
     caches = {f"layer.{i}": torch.randn((blocks, 2, HEADS, BLOCK, DIM)) for i in range(LAYERS)}
-    side = WorkerSide(ns, open_store(config, call_threads=WORKER_STORE_CALLS), config, saves_enabled=True)
+    side = WorkerSide(ns, open_store_stack(config, "worker"), config, saves_enabled=True)
     side.register_kv_caches(caches, [list(caches)], blocks, layouts=("CPU_ATTN:vec",))
     store = side._store._store  # noqa: SLF001 - the backend under the time-outs, for its fault-in
     if getattr(store, "prefault", None) is not None:

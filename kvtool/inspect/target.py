@@ -94,8 +94,8 @@ def open_reader(target: Target) -> ObjectReader:
         )
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")  # keep its transfer engine on loopback
     from connector.config import ConfigError, load_config
-    from connector.mooncake import probe_master
-    from connector.store import StoreError, open_store
+    from connector.stack import open_store_stack, probe
+    from connector.store import StoreError
 
     from kvtool.errors import ServerError
 
@@ -107,11 +107,11 @@ def open_reader(target: Target) -> ObjectReader:
         raise UserError(f"--master {target.master!r}: {exc}") from None
     # The client's setup holds the GIL while a port that accepts does not answer (an admin port given
     # for the RPC port): asked in a child process first, so that it fails within the time-out.
-    why = probe_master(config)
+    why = probe(config)
     if why is not None:
         raise ServerError(f"cannot read objects from the store: {why}; --master takes the master's RPC port")
     try:
         with native_stderr_silenced():
-            return ObjectReader(open_store(config))
+            return ObjectReader(open_store_stack(config, "reader"))
     except StoreError as exc:
         raise ServerError(f"cannot read objects from the store: {exc}") from None

@@ -13,7 +13,10 @@ from connector.faults import FaultyStore
 from connector.breaker import CircuitBreaker, GuardedStore
 from connector.loader import LOAD_THREADS
 from connector.staging import StagingArea
-from connector.store import PutOutcome, TimedStore
+from connector.instrumented import InstrumentedStore
+from connector.latestore import LateStore
+from connector.stack import breaker_policy, open_store_stack
+from connector.store import PROBES, PutOutcome, StoreError, TimedStore
 from connector.worker import WORKER_STORE_CALLS
 
 from .scripted_store import ScriptedStore
@@ -155,3 +158,37 @@ def test_faults_wrap_the_zero_copy_batches_too(tmp_path):
     items = [("kvtool/2/ns/0/t/20/bb", lease.region(0, 3)), ("kvtool/2/ns/0/b/64/cc", lease.region(1, 5))]
     assert store.put_from(items, lease) == [PutOutcome.NO_SPACE, PutOutcome.STORED]
     assert "kvtool/2/ns/0/t/20/bb" not in backend.objects and len(backend.objects["kvtool/2/ns/0/b/64/cc"]) == 5
+
+
+def _unreachable(monkeypatch):
+    """A backend whose probe says it cannot be reached (as the Mooncake one says of a dead master)."""
+    monkeypatch.setitem(PROBES, "mooncake", lambda config: "the master at 127.0.0.1:1 is not reachable")
+    return load_config({"master_server_address": "127.0.0.1:1"})
+
+
+def test_a_reader_of_an_unreachable_store_is_told_why_and_an_engines_side_serves_on(monkeypatch):
+    config = _unreachable(monkeypatch)
+    with pytest.raises(StoreError, match="not reachable"):
+        open_store_stack(config, "reader")
+    breaker = CircuitBreaker(breaker_policy(config))
+    stack = open_store_stack(config, "scheduler", breaker)
+    try:
+        assert isinstance(stack, InstrumentedStore)
+        with pytest.raises(StoreError):  # what a lookup takes for a miss while the store is away
+            stack.exists(["k"])
+        guarded = stack._store  # noqa: SLF001 - the layers, in order
+        assert isinstance(guarded, GuardedStore) and guarded.breaker is breaker
+        assert isinstance(guarded._store, LateStore)  # noqa: SLF001 - tried again in the background
+    finally:
+        stack.close()
+
+
+def test_a_backend_without_a_probe_is_opened_straight_away(monkeypatch):
+    opened = []
+    monkeypatch.setitem(PROBES, "mooncake", None)
+    monkeypatch.delitem(PROBES, "mooncake")
+    monkeypatch.setattr("connector.stack.open_store", lambda config, **kwargs: opened.append(kwargs) or ScriptedStore())
+    config = load_config({"master_server_address": "127.0.0.1:1"})
+    stack = open_store_stack(config, "worker")
+    assert opened == [{"shared": True, "call_threads": WORKER_STORE_CALLS}]
+    assert isinstance(stack, InstrumentedStore)

@@ -1,0 +1,87 @@
+"""The one place a store stack is built: what the engine's two sides, ``kvtool inspect`` and the
+benchmarks use, from the backend up.
+
+From the bottom: the backend (``store.BACKENDS``, one client per process and configuration for the
+engine's sides), fault injection where a test asks for it, each key once per batch, time-outs
+(``store.open_store``); then, for an engine's side, the breaker (``breaker.GuardedStore``: a failing or
+slow store is skipped, its calls answered as misses) and the counters (``instrumented``). A backend
+that cannot be reached at start-up is, for an engine, a ``LateStore`` that keeps trying in the
+background while the engine serves without it; for a reader (``kvtool inspect``), one sentence.
+
+The roles: ``scheduler`` (lookups: lends no memory, its calls judged slow past ``slow_call_ms``),
+``worker`` (loads and saves: lends the segment, more calls at once, sized by its objects so not judged
+slow) and ``reader`` (a tool's one-off reads: lends nothing, no breaker).
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+from typing import Literal
+
+from .breaker import BreakerPolicy, CircuitBreaker, GuardedStore
+from .config import KVToolConfig
+from .instrumented import InstrumentedStore
+from .latestore import LateStore
+from .store import CALL_THREADS, PROBES, KVStore, StoreError, TimedStore, open_store
+
+logger = logging.getLogger("vllm.kvtool")
+
+StoreRole = Literal["scheduler", "worker", "reader"]
+
+
+def breaker_policy(config: KVToolConfig) -> BreakerPolicy:
+    return BreakerPolicy(config.breaker_failures, config.breaker_backoff_s, config.breaker_max_backoff_s)
+
+
+def probe(config: KVToolConfig) -> str | None:
+    """The backend's own check that its client can be set up (``store.PROBES``): None, or why not."""
+    check = PROBES.get(config.store_backend)
+    return check(config) if check is not None else None
+
+
+def open_reader(config: KVToolConfig) -> TimedStore:
+    """A tool's store: probed first (a client's setup can stall its caller), lending nothing; a
+    ``StoreError`` saying why when it cannot be reached."""
+    config = config.with_mooncake(global_segment_size=0)
+    why = probe(config)
+    if why is not None:
+        raise StoreError(why)
+    return open_store(config)
+
+
+def open_store_stack(
+    config: KVToolConfig, role: StoreRole, breaker: CircuitBreaker | None = None
+) -> InstrumentedStore | TimedStore:
+    """The store stack of ``role`` (the module's docstring); an engine side's breaker is ``breaker``,
+    which both sides of one connector share, or a new one. Never raises for an engine's side: a store
+    that cannot be reached is tried again in the background."""
+    if role == "reader":
+        return open_reader(config)
+    worker = role == "worker"
+    config = config if worker else config.with_mooncake(global_segment_size=0)  # only the worker lends
+    calls = CALL_THREADS
+    if worker:  # imported here: the worker side (vLLM, torch) is not loaded for a scheduler's stack
+        from .worker import WORKER_STORE_CALLS as calls
+    opener = partial(open_store, config, shared=True, call_threads=calls)
+    checked = partial(probe, config)
+    backend: KVStore
+    try:
+        why = checked()
+        if why is not None:
+            raise StoreError(why)
+        backend = opener()
+    except StoreError as exc:
+        address = config.mooncake.master_server_address
+        logger.warning(
+            "kvtool: Mooncake store at %s is unavailable (%s); serving without the connector's help until "
+            "it answers (tried again in the background)",
+            address,
+            exc,
+        )
+        backend = LateStore(opener, checked, what=f"the Mooncake store at {address}")
+    # A lookup answered slowly costs every request its latency: the scheduler side's calls count as
+    # failed past slow_call_ms (the worker's loads and puts are sized by their objects, not judged so).
+    slow_s = None if worker else config.slow_call_ms / 1000
+    guarded = GuardedStore(backend, breaker or CircuitBreaker(breaker_policy(config)), role, slow_call_s=slow_s)
+    return InstrumentedStore(guarded)  # counted outside the breaker: a call's time is what its caller waited
