@@ -29,16 +29,21 @@ from kvtool.pair.warmup import warm_engine
 Warm = Callable[[ServePairConfig, str, Sequence[str], Reporter], set[tuple[str, str]]]
 
 
+RESTART_GRACE_FACTOR = 4  # a restart's start-up time, in --startup-timeouts
+
+
 def engine_policy(cfg: ServePairConfig) -> Policy:
     """How the supervisor treats a fleet's engine: started again 2 s after it ends, up to a minute
-    apart when it keeps ending; given its whole start-up time (``--startup-timeout``) to pass its first
-    health check; taken for hung only after a minute of failed checks (a CPU engine in a long prefill
-    answers ``/health`` late, and killing a busy engine loses every request on it)."""
+    apart when it keeps ending; given four times its start-up time (``--startup-timeout``) to pass its
+    first health check again (a restart competes for the cores with the engines serving: on this
+    2-core machine one took over 300 s where the quiet start took 90, and killing a start that is
+    under way only starts it over); taken for hung only after a minute of failed checks (a CPU engine
+    in a long prefill answers ``/health`` late, and killing a busy engine loses every request on it)."""
     return Policy(
         backoff=Backoff(initial_s=2.0, factor=2.0, max_s=60.0),
         unhealthy_after_s=60.0,
         min_failed_checks=20,
-        startup_grace_s=cfg.startup_timeout_s,
+        startup_grace_s=RESTART_GRACE_FACTOR * cfg.startup_timeout_s,
         healthy_reset_s=120.0,
     )
 
