@@ -320,6 +320,13 @@ def divergence_grid(config: KVToolConfig, block_size: int) -> int:
 AUTO_POINTERS_GRID_DIVISOR = 4
 
 
+# vLLM's KV transfer roles (its ``kv_role``), declared once for the connector and for kvtool.
+KV_PRODUCER, KV_CONSUMER, KV_BOTH = "kv_producer", "kv_consumer", "kv_both"
+KV_ROLES = (KV_PRODUCER, KV_CONSUMER, KV_BOTH)
+LOADING_ROLES = (KV_CONSUMER, KV_BOTH)  # a connector in these loads from the store
+SAVING_ROLES = (KV_PRODUCER, KV_BOTH)  # ... and in these saves to it
+
+
 MOONCAKE_CONFIG_ENV = "MOONCAKE_CONFIG_PATH"
 
 

@@ -24,7 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from .breaker import CircuitBreaker
 from .instrumented import InstrumentedStore
-from .config import ConfigError, check_block_size, load_config
+from .config import KV_ROLES, LOADING_ROLES, SAVING_ROLES, ConfigError, check_block_size, load_config
 from .data import KVToolMetadata, KVToolWorkerMeta
 from .layout import EngineLayout, UnsupportedLayout, check_attention_layout, engine_layout, state_reuse_warnings
 from .hooktime import HookClock, on_engine_thread
@@ -48,8 +48,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("vllm.kvtool")
 
-_ROLES = ("kv_producer", "kv_consumer", "kv_both")
-
 
 class KVToolConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
@@ -57,11 +55,11 @@ class KVToolConnector(KVConnectorBase_V1, SupportsHMA):
         self._hook_clock = HookClock()
         self._stopped_sharing = False  # reset_cache, on_cache_reset
         transfer = self._kv_transfer_config
-        if transfer.kv_role not in _ROLES:
-            raise ValueError(f"kvtool connector: kv_role {transfer.kv_role!r} is not one of {', '.join(_ROLES)}")
+        if transfer.kv_role not in KV_ROLES:
+            raise ValueError(f"kvtool connector: kv_role {transfer.kv_role!r} is not one of {', '.join(KV_ROLES)}")
         self.config = load_config(transfer.kv_connector_extra_config)
-        loads_enabled = transfer.kv_role in ("kv_consumer", "kv_both")
-        saves_enabled = transfer.kv_role in ("kv_producer", "kv_both")
+        loads_enabled = transfer.kv_role in LOADING_ROLES
+        saves_enabled = transfer.kv_role in SAVING_ROLES
         answers_enabled = self.config.save_answers
         if role == KVConnectorRole.SCHEDULER and loads_enabled and transfer.kv_load_failure_policy != "recompute":
             # A failed load must be a miss, never a failed request.

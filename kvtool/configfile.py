@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from connector.config import MOONCAKE_FIELDS, ConfigError, KVToolConfig, load_config, parse_size
+from connector.config import KV_ROLES, MOONCAKE_FIELDS, ConfigError, KVToolConfig, load_config, parse_size
 from kvtool.errors import UserError
 from kvtool.files import read_config_file
 from kvtool.pair.profiles import KVTOOL_CONNECTOR_CLASS, KVTOOL_CONNECTOR_MODULE
@@ -40,7 +40,6 @@ KV_TRANSFER_FIELDS = (
     "enable_permute_local_kv",
     "kv_load_failure_policy",
 )
-KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 LOAD_FAILURE_POLICIES = ("recompute", "fail")
 # What a Mooncake client file may hold: vLLM's in-tree reader's fields and the kvtool connector's.
 MOONCAKE_FILE_FIELDS = (

@@ -208,6 +208,14 @@ PRESETS: dict[str, ModelPreset] = {
 }
 
 
+def model_vocab_size(model: Path) -> int:
+    """The vocabulary size a model directory's ``config.json`` gives (what token ids a workload may use)."""
+    try:
+        return int(json.loads((model / "config.json").read_text())["vocab_size"])
+    except (OSError, ValueError, KeyError) as exc:
+        raise UserError(f"cannot read vocab_size from {model / 'config.json'}: {exc}") from None
+
+
 def kvtool_home() -> Path:
     return Path(os.environ.get("KVTOOL_HOME") or Path.home() / ".cache" / "kvtool").expanduser()
 

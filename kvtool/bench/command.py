@@ -25,7 +25,7 @@ from kvtool.pair.procs import ProcessSet
 from kvtool.pair.ready import ReadyFile, read_ready_file
 from kvtool.pair.config import REPO_ROOT, Reporter, ServePairConfig
 from kvtool.pair.profiles import profile
-from kvtool.pair.smoke import model_vocab_size
+from kvtool.model import model_vocab_size
 
 from .config import CONNECTORS, BenchConfig, build_workload
 from .oracle import ideal_hits

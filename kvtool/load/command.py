@@ -134,7 +134,7 @@ def _measure(
     say: Callable[[str], None],
     trace: TraceLoad | None = None,
 ) -> LoadResult:
-    from kvtool.pair.smoke import model_vocab_size
+    from kvtool.model import model_vocab_size
     from kvtool.store.admin import open_admin
 
     target = LoadTarget(info.router or info.consumer, info.model, info.block_size, info.hash_unit)

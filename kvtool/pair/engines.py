@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from connector.config import KV_BOTH, KV_CONSUMER, KV_PRODUCER
 from kvtool.pair import profiles
 from kvtool.pair.config import MiB, REPO_ROOT, Role, ServePairConfig
 from kvtool.pair.procs import LOOPBACK
@@ -39,8 +40,8 @@ def request_log_path(cfg: ServePairConfig, role: Role) -> Path:
 def kv_role_for(cfg: ServePairConfig, role: Role) -> str:
     """vLLM's kv_role of an engine: with roles "both", and in a fleet, each engine loads and saves (kv_both)."""
     if cfg.saves_answers:
-        return "kv_both"
-    return "kv_producer" if role == "producer" else "kv_consumer"
+        return KV_BOTH
+    return KV_PRODUCER if role == "producer" else KV_CONSUMER
 
 
 def kv_transfer_config(cfg: ServePairConfig, role: Role) -> dict[str, Any] | None:
@@ -92,7 +93,7 @@ def engine_argv(cfg: ServePairConfig, role: Role, python: str = sys.executable) 
     if cfg.tensor_parallel_size > 1:
         argv += ["--tensor-parallel-size", str(cfg.tensor_parallel_size), "--distributed-executor-backend", "mp"]
     transfer = kv_transfer_config(cfg, role)
-    saves = transfer is not None and kv_role_for(cfg, role) != "kv_consumer"
+    saves = transfer is not None and kv_role_for(cfg, role) != KV_CONSUMER
     argv += cfg.saving_engine_args if saves and cfg.saving_engine_args else cfg.engine_args
     if cfg.max_num_batched_tokens is not None:
         argv += ["--max-num-batched-tokens", str(cfg.max_num_batched_tokens)]  # the last one given wins

@@ -14,7 +14,7 @@ from kvtool import web
 from kvtool import prometheus
 
 from kvtool.client import complete
-from kvtool.errors import UserError
+from kvtool.model import model_vocab_size
 from kvtool.pair.ready import ReadyFile
 from kvtool.report import ReportTable
 from kvtool.store.admin import open_admin, wait_for_quiet_key_count
@@ -32,13 +32,6 @@ def smoke_prompts(vocab_size: int, seed: int = SEED) -> list[tuple[list[int], li
 
     short, long = tokens(20), tokens(85)
     return [(short, short + tokens(30)), (long, long + tokens(30))]
-
-
-def model_vocab_size(model: Path) -> int:
-    try:
-        return int(json.loads((model / "config.json").read_text())["vocab_size"])
-    except (OSError, ValueError, KeyError) as exc:
-        raise UserError(f"cannot read vocab_size from {model / 'config.json'}: {exc}") from None
 
 
 metric_total = prometheus.total  # the one Prometheus parser (kvtool/prometheus.py)

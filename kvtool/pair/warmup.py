@@ -23,7 +23,8 @@ from kvtool.client import complete
 from kvtool.errors import ServerError
 from kvtool.pair.config import ServePairConfig
 from kvtool.pair.ready import admin_url_for
-from kvtool.pair.smoke import FIRST_TOKEN_ID, model_vocab_size
+from kvtool.model import model_vocab_size
+from kvtool.pair.smoke import FIRST_TOKEN_ID
 from kvtool.store.admin import open_admin, wait_for_key
 
 WARMUP_TIMEOUT_S = 180.0
