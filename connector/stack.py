@@ -28,6 +28,11 @@ from .store import CALL_THREADS, PROBES, KVStore, StoreError, TimedStore, open_s
 logger = logging.getLogger("vllm.kvtool")
 
 StoreRole = Literal["scheduler", "worker", "reader"]
+# The worker's store calls at once: each of the loader's fetch threads (``loader.LOAD_THREADS``, 4), the
+# put thread's, and a spare for a call abandoned at its time-out. With fewer, a busy but healthy store
+# refused the put thread's call while four loads transferred, and that refusal opened the breaker
+# (``store.CALL_THREADS``). A test holds it to the loader's count.
+WORKER_STORE_CALLS = 4 + 2
 
 
 def breaker_policy(config: KVToolConfig) -> BreakerPolicy:
@@ -60,9 +65,7 @@ def open_store_stack(
         return open_reader(config)
     worker = role == "worker"
     config = config if worker else config.with_mooncake(global_segment_size=0)  # only the worker lends
-    calls = CALL_THREADS
-    if worker:  # imported here: the worker side (vLLM, torch) is not loaded for a scheduler's stack
-        from .worker import WORKER_STORE_CALLS as calls
+    calls = WORKER_STORE_CALLS if worker else CALL_THREADS
     opener = partial(open_store, config, shared=True, call_threads=calls)
     checked = partial(probe, config)
     backend: KVStore

@@ -44,7 +44,7 @@ CLOSE_WAIT_S = 1.0  # closing waits this long for calls still running (``TimedSt
 # a spare for one call abandoned at its time-out: a call refused for want of a slot (``StoreBusy``)
 # counts as a hung store and opens the breaker. The scheduler side's callers are its lookup thread
 # and its pointer reads; the worker's are its fetch threads and its put thread, five, so the worker's
-# stack takes more (``worker.WORKER_STORE_CALLS``).
+# stack takes more (``stack.WORKER_STORE_CALLS``).
 CALL_THREADS = 4
 
 

@@ -30,7 +30,7 @@ from .devicecopy import CopyStream, DeviceOps, Fence, block_major, device_ops_fo
 from .config import ConfigError, KVToolConfig, bad_value
 from .data import BlockTransfer, KVToolMetadata, KVToolWorkerMeta, RequestSave, StoredObject
 from .keys import KeyKind, Namespace, object_key, watermark_key
-from .loader import LOAD_THREADS, MAX_SAMPLES, Loader
+from .loader import MAX_SAMPLES, Loader
 from .objects import HEADER_SIZE, ObjectHeader, PointerRecord, encode_pointer
 from .saver import ObjectCopy, Saver, SaveJob
 from .staging import Lease, Region, StagingArea
@@ -38,10 +38,6 @@ from .stepcopies import StepCopies
 from .store import KVStore, StoreError
 from .tokencut import cuttable, token_bytes, token_views
 
-# The worker's store calls at once: each fetch thread's, the put thread's, and a spare for a call
-# abandoned at its time-out. With fewer, a busy but healthy store refused the put thread's call while
-# four loads transferred, and that refusal opened the breaker (``store.CALL_THREADS``).
-WORKER_STORE_CALLS = LOAD_THREADS + 2
 # How long get_finished waits for the loads in flight after a step that computed nothing.
 IDLE_LOAD_WAIT_S = 0.010
 

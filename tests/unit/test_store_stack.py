@@ -15,9 +15,8 @@ from connector.loader import LOAD_THREADS
 from connector.staging import StagingArea
 from connector.instrumented import InstrumentedStore
 from connector.latestore import LateStore
-from connector.stack import breaker_policy, open_store_stack
 from connector.store import PROBES, PutOutcome, StoreError, TimedStore
-from connector.worker import WORKER_STORE_CALLS
+from connector.stack import WORKER_STORE_CALLS, breaker_policy, open_store_stack
 
 from .scripted_store import ScriptedStore
 
@@ -192,3 +191,7 @@ def test_a_backend_without_a_probe_is_opened_straight_away(monkeypatch):
     stack = open_store_stack(config, "worker")
     assert opened == [{"shared": True, "call_threads": WORKER_STORE_CALLS}]
     assert isinstance(stack, InstrumentedStore)
+
+
+def test_the_worker_stack_takes_every_fetch_thread_the_put_thread_and_a_spare():
+    assert WORKER_STORE_CALLS == LOAD_THREADS + 2
