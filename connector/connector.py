@@ -22,19 +22,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from .breaker import CircuitBreaker
-from .instrumented import InstrumentedStore
+from .store.breaker import CircuitBreaker
+from .store.instrumented import InstrumentedStore
 from .config import KV_ROLES, LOADING_ROLES, SAVING_ROLES, ConfigError, check_block_size, load_config
 from .data import KVToolMetadata, KVToolWorkerMeta
-from .layout import EngineLayout, UnsupportedLayout, check_attention_layout, engine_layout, state_reuse_warnings
-from .hooktime import HookClock, on_engine_thread
-from .keys import Namespace
+from .worker.layout import EngineLayout, UnsupportedLayout, check_attention_layout, engine_layout, state_reuse_warnings
+from .scheduler.hooktime import HookClock, on_engine_thread
+from .core.keys import Namespace
 from .metrics import KVToolStats
-from .ranks import rank_namespace
-from .scheduler import SchedulerSide
-from .stack import breaker_policy, open_store_stack
-from .store import TimedStore
-from .worker import WorkerSide
+from .core.ranks import rank_namespace
+from .scheduler.scheduler import SchedulerSide
+from .store.stack import breaker_policy, open_store_stack
+from .store.store import TimedStore
+from .worker.worker import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -176,7 +176,7 @@ class KVToolConnector(KVConnectorBase_V1, SupportsHMA):
     @on_engine_thread
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         # vLLM's first call of every step, before it touches a block: the last step's save copies,
-        # made off the engine thread (connector.stepcopies), must be done.
+        # made off the engine thread (connector.worker.stepcopies), must be done.
         if self._worker is not None:
             self._worker.before_step()
 
@@ -319,7 +319,7 @@ def _placeholder_namespace() -> Namespace:
 
 def _worker_namespace(namespace: Namespace) -> Namespace:
     """A worker's namespace: the engine's, with its own TP rank (each rank stores its share of the KV
-    heads under its own keys, ``connector.ranks``)."""
+    heads under its own keys, ``connector.core.ranks``)."""
     if namespace.tp_size == 1:
         return namespace
     return rank_namespace(namespace, get_tensor_model_parallel_rank())

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
-from .keys import KeyKind
+from .core.keys import KeyKind
 
 
 @dataclass(frozen=True)

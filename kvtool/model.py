@@ -76,7 +76,7 @@ class ModelPreset:
         that completes the prompt), which the same prompt sent on unchanged needs (a hit of ``L - 1``).
         The state after the whole prompt stays in the block of its last token. The sub-block local hits
         this also turns on are copied only partly by vLLM 0.32 on a hybrid model; the connector's worker
-        completes those copies (connector.worker.WorkerSide.repair_block_copies)."""
+        completes those copies (connector.worker.worker.WorkerSide.repair_block_copies)."""
         if not self.is_hybrid:
             return self.engine_args
         every_block = str(self.kv_block_size_for(requested_block_size))

@@ -43,17 +43,17 @@ from measure import (  # the sibling script: sets the loopback environment befor
 from connector.config import KVToolConfig, divergence_grid
 from kvtool.portable import portable
 from connector.data import RequestSave
-from connector.hashing import RequestIdentity
-from connector.keys import KeyKind, Namespace, decode_key, watermark_key
-from connector.lookups import POINTER_READ_SHARE, pointer_reader
-from connector.objects import HEADER_SIZE, pointer_size
-from connector.prefix import PromptKeys, plan_save
-from connector.saveplans import save_transfer
-from connector.saver import ObjectCopy, Saver, SaveJob
-from connector.staging import Lease, Region, StagingArea
-from connector.search import StoredPrefix, find_stored_prefixes
-from connector.store import KVStore, PutOutcome, open_store
-from connector.worker import WorkerSide
+from connector.core.hashing import RequestIdentity
+from connector.core.keys import KeyKind, Namespace, decode_key, watermark_key
+from connector.scheduler.lookups import POINTER_READ_SHARE, pointer_reader
+from connector.core.objects import HEADER_SIZE, pointer_size
+from connector.core.prefix import PromptKeys, plan_save
+from connector.core.saveplans import save_transfer
+from connector.worker.saver import ObjectCopy, Saver, SaveJob
+from connector.store.staging import Lease, Region, StagingArea
+from connector.core.search import StoredPrefix, find_stored_prefixes
+from connector.store.store import KVStore, PutOutcome, open_store
+from connector.worker.worker import WorkerSide
 
 CONNECTOR_OBJECT_BYTES = {32: 64 << 10, 256: 256 << 10}  # block size -> payload of one block object
 SAVED_BLOCKS = 8  # a saved prompt: 8 full blocks and a tail of half a block
@@ -365,7 +365,7 @@ def connector_level(log_dir: Path) -> dict[str, Any]:
 
 def connector_configuration() -> dict[str, Any]:
     return {
-        "store": "connector.store.open_store (TimedStore over MooncakeStore; no circuit breaker)",
+        "store": "connector.store.store.open_store (TimedStore over MooncakeStore; no circuit breaker)",
         "object_payload_bytes": CONNECTOR_OBJECT_BYTES,
         "object_header_bytes": HEADER_SIZE,
         "pointer_record_bytes_max": {block: pointer_size(block) for block in CONNECTOR_OBJECT_BYTES},

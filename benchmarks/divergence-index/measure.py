@@ -48,7 +48,7 @@ os.environ.update(ENV)  # before the Mooncake client is imported (MooncakeStore 
 
 from connector.config import KVToolConfig  # noqa: E402
 from kvtool.portable import portable  # noqa: E402
-from connector.mooncake import MooncakeStore  # noqa: E402
+from connector.store.mooncake import MooncakeStore  # noqa: E402
 from kvtool import web  # noqa: E402
 from kvtool.store.master import LocalMaster  # noqa: E402
 from kvtool.store.mooncake import master_argv  # noqa: E402

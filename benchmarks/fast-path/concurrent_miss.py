@@ -29,7 +29,7 @@ sys.path.insert(0, str(HERE))
 from consumer_miss import launch, stop  # noqa: E402 - the sibling module
 from published import provenance, write_result  # noqa: E402
 
-from connector.hits import HitDetails  # noqa: E402
+from connector.core.hits import HitDetails  # noqa: E402
 from kvtool.client import complete  # noqa: E402
 
 CONNECTORS = ("kvtool", "none")

@@ -40,11 +40,11 @@ import torch  # noqa: E402
 
 from connector.config import load_config  # noqa: E402
 from connector.data import BlockTransfer, KVToolMetadata, RequestLoad, RequestSave  # noqa: E402
-from connector.keys import Namespace  # noqa: E402
-from connector.objects import HEADER_SIZE, payload_checksum  # noqa: E402
-from connector.prefix import PromptKeys, plan_save  # noqa: E402
-from connector.stack import open_store_stack  # noqa: E402
-from connector.worker import WorkerSide  # noqa: E402
+from connector.core.keys import Namespace  # noqa: E402
+from connector.core.objects import HEADER_SIZE, payload_checksum  # noqa: E402
+from connector.core.prefix import PromptKeys, plan_save  # noqa: E402
+from connector.store.stack import open_store_stack  # noqa: E402
+from connector.worker.worker import WorkerSide  # noqa: E402
 from kvtool.store.master import LocalMaster  # noqa: E402
 from published import provenance, write_result  # noqa: E402 - the sibling module
 

@@ -19,10 +19,10 @@ import time
 from pathlib import Path
 
 from connector.config import divergence_grid, load_config
-from connector.hashing import RequestIdentity
-from connector import search as search_module
-from connector.prefix import PromptKeys, plan_save
-from connector.search import find_stored_prefixes
+from connector.core.hashing import RequestIdentity
+from connector.core import search as search_module
+from connector.core.prefix import PromptKeys, plan_save
+from connector.core.search import find_stored_prefixes
 from published import git_head, write_result  # noqa: E402 - the sibling module
 
 LENGTHS = (1024, 8192, 32768)

@@ -24,12 +24,12 @@ from pathlib import Path
 os.environ.update({"MC_TCP_BIND_ADDRESS": "127.0.0.1", "VLLM_HOST_IP": "127.0.0.1"})
 
 from connector.config import divergence_grid, lead_pointers, load_config  # noqa: E402
-from connector.hashing import RequestIdentity  # noqa: E402
-from connector.lookups import POINTER_READ_SHARE, pointer_reader  # noqa: E402
-from connector.objects import HEADER_SIZE, PointerRecord, encode_pointer  # noqa: E402
-from connector.prefix import PromptKeys, plan_save  # noqa: E402
-from connector.search import find_stored_prefixes  # noqa: E402
-from connector.store import open_store  # noqa: E402
+from connector.core.hashing import RequestIdentity  # noqa: E402
+from connector.scheduler.lookups import POINTER_READ_SHARE, pointer_reader  # noqa: E402
+from connector.core.objects import HEADER_SIZE, PointerRecord, encode_pointer  # noqa: E402
+from connector.core.prefix import PromptKeys, plan_save  # noqa: E402
+from connector.core.search import find_stored_prefixes  # noqa: E402
+from connector.store.store import open_store  # noqa: E402
 from kvtool.store.master import LocalMaster  # noqa: E402
 from published import git_head, write_result  # noqa: E402 - the sibling module
 

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import connector
 from connector.config import divergence_grid, lead_pointers, load_config
-from connector.hashing import RequestIdentity
-from connector.prefix import PromptKeys
-from connector.search import find_stored_prefixes
+from connector.core.hashing import RequestIdentity
+from connector.core.prefix import PromptKeys
+from connector.core.search import find_stored_prefixes
 from lookup_latency import NAMESPACE, PROMPT, new_batch, publish  # the sibling module: the same batches
 from published import git_head, write_result
 

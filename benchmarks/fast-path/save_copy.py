@@ -19,10 +19,10 @@ import torch
 
 from connector.config import KVToolConfig
 from connector.data import BlockTransfer
-from connector.keys import KeyKind, Namespace
-from connector.objects import HEADER_SIZE, ObjectHeader, encode_header, seal_object
-from connector.staging import StagingArea
-from connector.worker import WorkerSide
+from connector.core.keys import KeyKind, Namespace
+from connector.core.objects import HEADER_SIZE, ObjectHeader, encode_header, seal_object
+from connector.store.staging import StagingArea
+from connector.worker.worker import WorkerSide
 from published import git_head, write_result  # noqa: E402 - the sibling module
 
 LAYERS, HEADS, DIM, BLOCK = 32, 8, 128, 32

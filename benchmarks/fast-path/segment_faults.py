@@ -77,7 +77,7 @@ def timed(step, count: int) -> dict[str, float]:
 def raw_puts(config, count: int) -> dict[str, float]:
     import torch
 
-    from connector.mooncake import MooncakeStore
+    from connector.store.mooncake import MooncakeStore
 
     store = MooncakeStore(config)
     client = store._client  # noqa: SLF001 - the raw calls on the connector's own client
@@ -104,11 +104,11 @@ def connector_saves(config, count: int) -> dict[str, float]:
     import torch
 
     from connector.data import KVToolMetadata, RequestSave
-    from connector.keys import Namespace
-    from connector.prefix import PromptKeys, plan_save
-    from connector.saveplans import save_transfer
-    from connector.stack import open_store_stack
-    from connector.worker import WorkerSide
+    from connector.core.keys import Namespace
+    from connector.core.prefix import PromptKeys, plan_save
+    from connector.core.saveplans import save_transfer
+    from connector.store.stack import open_store_stack
+    from connector.worker.worker import WorkerSide
 
     ns = Namespace(
         model="bench",

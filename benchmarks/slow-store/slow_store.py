@@ -33,7 +33,7 @@ sys.path.insert(0, str(HERE.parent / "fast-path"))
 from published import provenance, write_result  # noqa: E402
 from soak.pair import Pair  # noqa: E402
 
-from connector.hits import HitDetails  # noqa: E402
+from connector.core.hits import HitDetails  # noqa: E402
 from kvtool.client import complete  # noqa: E402
 from kvtool.errors import ServerError  # noqa: E402
 from kvtool.store.admin import open_admin, wait_for_key  # noqa: E402

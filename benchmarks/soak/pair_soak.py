@@ -9,7 +9,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from connector.hits import HitDetails
+from connector.core.hits import HitDetails
 from kvtool.client import complete
 from kvtool.errors import ServerError
 from kvtool.verify import DEFAULT_LOGPROB_TOLERANCE, choice_logprobs, compare_answers

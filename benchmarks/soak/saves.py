@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from connector.hits import HitDetails
+from connector.core.hits import HitDetails
 
 from pair import RequestFailed
 from plan import tokens

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from connector.hits import HitDetails
+from connector.core.hits import HitDetails
 from kvtool.store.admin import open_admin, wait_for_key, wait_for_quiet_key_count
 from kvtool.pair.profiles import profile
 from kvtool.pair.ready import ReadyFile

@@ -15,8 +15,8 @@ from typing import Any
 
 import httpx
 
-from connector.hits import HitDetails
-from connector.profit import NO_HIT_COULD_PAY
+from connector.core.hits import HitDetails
+from connector.core.profit import NO_HIT_COULD_PAY
 from kvtool import web
 from kvtool.pair.profiles import profile
 from kvtool.pair.ready import ReadyFile

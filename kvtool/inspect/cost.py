@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from connector.keys import KeyKind
-from connector.refs import LoadPlan, ObjectRef
-from connector.profit import CostModel, judge
+from connector.core.keys import KeyKind
+from connector.core.refs import LoadPlan, ObjectRef
+from connector.core.profit import CostModel, judge
 from kvtool.errors import UserError
 
 

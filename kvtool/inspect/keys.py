@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
-from connector.keys import SCHEMA_VERSION, KeyKind, decode_key
+from connector.core.keys import SCHEMA_VERSION, KeyKind, decode_key
 
 from kvtool.store.admin import StoreAdmin
 from kvtool.errors import UserError

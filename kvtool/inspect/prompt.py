@@ -14,19 +14,19 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 from connector.config import EXTEND_MIN_TOKENS, KVToolConfig, divergence_grid, has_lead_pointers
-from connector.hashing import RequestIdentity, save_tail_boundary
-from connector.keys import NAMESPACE_HEX, KeyKind, decode_key
-from connector.objects import ObjectHeader, ObjectRejected, decode_header, verify_object
-from connector.prefix import PromptKeys, plan_load
-from connector.search import find_stored_prefix
-from connector.watermarks import WatermarkRecord
+from connector.core.hashing import RequestIdentity, save_tail_boundary
+from connector.core.keys import NAMESPACE_HEX, KeyKind, decode_key
+from connector.core.objects import ObjectHeader, ObjectRejected, decode_header, verify_object
+from connector.core.prefix import PromptKeys, plan_load
+from connector.core.search import find_stored_prefix
+from connector.core.watermarks import WatermarkRecord
 
 from kvtool.errors import UserError
 from kvtool.report import Report, ReportTable
 from kvtool.inspect.target import Target, open_reader
 
 if TYPE_CHECKING:
-    from connector.profit import CostModel
+    from connector.core.profit import CostModel
 
 NEVER_STORED = "never stored"
 EVICTED = "evicted or expired"

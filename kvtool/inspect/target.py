@@ -94,8 +94,8 @@ def open_reader(target: Target) -> ObjectReader:
         )
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")  # keep its transfer engine on loopback
     from connector.config import ConfigError, load_config
-    from connector.stack import open_store_stack, probe
-    from connector.store import StoreError
+    from connector.store.stack import open_store_stack, probe
+    from connector.store.store import StoreError
 
     from kvtool.errors import ServerError
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from connector.hashing import MAX_TOKEN_ID  # what the key schema encodes
+from connector.core.hashing import MAX_TOKEN_ID  # what the key schema encodes
 from kvtool.errors import UserError
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from connector.keys import KeyKind, decode_key
-from connector.watermarks import WatermarkRecord
+from connector.core.keys import KeyKind, decode_key
+from connector.core.watermarks import WatermarkRecord
 
 from kvtool.report import Report, ReportTable
 from kvtool.inspect.target import Target, open_reader

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from connector.hits import HitDetails
+from connector.core.hits import HitDetails
 from kvtool.bench.oracle import ReuseOracle, computed_tokens
 from kvtool.bench.runner import answer_token_ids, cached_tokens_hit
 from kvtool.client import complete

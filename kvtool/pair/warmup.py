@@ -18,7 +18,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 
-from connector.hits import HitDetails
+from connector.core.hits import HitDetails
 from kvtool.client import complete
 from kvtool.errors import ServerError
 from kvtool.pair.config import ServePairConfig

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from connector.config import load_config
-from connector.hits import HitDetails
-from connector.store import PutOutcome, StoreError, TimedStore, open_store
+from connector.core.hits import HitDetails
+from connector.store.store import PutOutcome, StoreError, TimedStore, open_store
 from kvtool import prometheus
 from kvtool.store.admin import metrics_text, open_admin, wait_for_key
 from kvtool.client import complete

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from connector.hits import HitDetails
+from connector.core.hits import HitDetails
 from kvtool.store.admin import open_admin, wait_for_key
 
 from .conftest import running_pair

@@ -9,8 +9,8 @@ import httpx
 import pytest
 
 from connector.config import load_config
-from connector.store import open_store
-from connector.watermarks import SaveState, WatermarkRecord
+from connector.store.store import open_store
+from connector.core.watermarks import SaveState, WatermarkRecord
 from kvtool import prometheus
 from kvtool.client import complete
 

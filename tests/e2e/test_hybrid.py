@@ -11,9 +11,9 @@ from __future__ import annotations
 import uuid
 import pytest
 
-from connector.hashing import RequestIdentity
-from connector.keys import KeyKind, object_key
-from connector.prefix import PromptKeys
+from connector.core.hashing import RequestIdentity
+from connector.core.keys import KeyKind, object_key
+from connector.core.prefix import PromptKeys
 from kvtool.client import complete
 from kvtool.verify import compare_answers
 

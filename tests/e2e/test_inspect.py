@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from connector.hashing import RequestIdentity
-from connector.keys import decode_key
-from connector.prefix import PromptKeys
+from connector.core.hashing import RequestIdentity
+from connector.core.keys import decode_key
+from connector.core.prefix import PromptKeys
 
 from .pairtools import consume, produce, prompt, remove
 

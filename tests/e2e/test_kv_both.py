@@ -22,10 +22,10 @@ import httpx
 import pytest
 
 from connector.config import load_config
-from connector.hashing import RequestIdentity
-from connector.objects import HEADER_SIZE
-from connector.prefix import PromptKeys, plan_save
-from connector.store import open_store
+from connector.core.hashing import RequestIdentity
+from connector.core.objects import HEADER_SIZE
+from connector.core.prefix import PromptKeys, plan_save
+from connector.store.store import open_store
 from kvtool.client import complete
 from kvtool.pair.procs import find_free_port, log_tail
 

@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
-from connector.hashing import RequestIdentity
-from connector.keys import decode_key
-from connector.prefix import PromptKeys
-from connector.ranks import keys_on_every_rank
+from connector.core.hashing import RequestIdentity
+from connector.core.keys import decode_key
+from connector.core.prefix import PromptKeys
+from connector.core.ranks import keys_on_every_rank
 from kvtool.store.admin import open_admin
 
 from .conftest import running_pair

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from connector.data import KVToolMetadata, RequestLoad, RequestSave
-from connector.devicecopy import TorchCudaOps, device_ops_for
-from connector.worker import WorkerSide
+from connector.worker.devicecopy import TorchCudaOps, device_ops_for
+from connector.worker.worker import WorkerSide
 
 from ..unit.scripted_store import InlineCalls, ScriptedStore
 from ..unit.test_worker import CONFIG, LAYERS, NS, NUM_BLOCKS, PROMPT, transfers

@@ -33,7 +33,7 @@ def store_config(master):
 
 @pytest.fixture
 def store(store_config):
-    from connector.store import open_store
+    from connector.store.store import open_store
 
     client = open_store(store_config)
     yield client

@@ -15,7 +15,7 @@ import pytest
 
 from connector.calls import StoreError
 from connector.config import load_config
-from connector.store import PutOutcome, open_store
+from connector.store.store import PutOutcome, open_store
 from kvtool.store.master import LocalEtcd, LocalMaster, ha_master_flags
 from tests.master import LOOPBACK
 
@@ -56,7 +56,7 @@ def test_inspect_says_which_master_leads_and_that_a_standby_holds_nothing(ha_gro
 def connected(config, timeout_s: float = CONNECT_TIMEOUT_S):
     """A store client of the group, set up again until it finds the leader: a group's clients find it
     through etcd 5 to 30 s after the group starts (a set-up before then returns -1), as an engine's
-    do (connector.latestore tries again in the background)."""
+    do (connector.store.latestore tries again in the background)."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:

@@ -16,14 +16,14 @@ from pathlib import Path
 import pytest
 
 from connector.config import load_config
-from connector.hashing import RequestIdentity
-from connector.keys import KeyKind, Namespace, watermark_key
-from connector.objects import ObjectHeader, encode_object
-from connector.prefix import PromptKeys, plan_load, plan_save
-from connector.search import find_stored_prefix
+from connector.core.hashing import RequestIdentity
+from connector.core.keys import KeyKind, Namespace, watermark_key
+from connector.core.objects import ObjectHeader, encode_object
+from connector.core.prefix import PromptKeys, plan_load, plan_save
+from connector.core.search import find_stored_prefix
 from kvtool.pair.ready import ReadyFile
-from connector.store import KVStore, PutOutcome, open_store
-from connector.watermarks import SEQ_FINAL, SEQ_PENDING, ObjectProgress, WatermarkRecord, watermark
+from connector.store.store import KVStore, PutOutcome, open_store
+from connector.core.watermarks import SEQ_FINAL, SEQ_PENDING, ObjectProgress, WatermarkRecord, watermark
 
 pytestmark = pytest.mark.integration
 

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from connector.staging import StagingArea
+from connector.store.staging import StagingArea
 
 pytestmark = pytest.mark.integration
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from connector.mooncake import MooncakeStore
+from connector.store.mooncake import MooncakeStore
 
 
 def resident_bytes(region: tuple[int, int]) -> int:

@@ -1,5 +1,5 @@
 """A lookup at block 256 against a real mooncake_master, through the store stack: a block is asked by its
-pointers (``connector.probes``), and the hits are those of asking every candidate, from fewer keys."""
+pointers (``connector.core.probes``), and the hits are those of asking every candidate, from fewer keys."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from connector import probes
+from connector.core import probes
 from tests.unit.test_sparse_blocks import lookup, publish
 
 pytestmark = pytest.mark.integration

@@ -4,9 +4,9 @@ import os
 
 import pytest
 
-from connector.keys import KeyKind, Namespace, block_key, tail_key
-from connector.objects import ObjectHeader, encode_object, verify_object
-from connector.store import PutOutcome, StoreError, open_store
+from connector.core.keys import KeyKind, Namespace, block_key, tail_key
+from connector.core.objects import ObjectHeader, encode_object, verify_object
+from connector.store.store import PutOutcome, StoreError, open_store
 
 pytestmark = pytest.mark.integration
 
@@ -100,7 +100,7 @@ def test_a_batch_larger_than_the_transfer_buffer_is_split(store):
 
 
 def test_a_batch_put_stores_every_pointer_and_keeps_what_was_there(store):
-    from connector.keys import object_key
+    from connector.core.keys import object_key
 
     keys = [object_key(NS.key_component(), 0, KeyKind.POINTER, end, os.urandom(16)) for end in (8, 16, 24)]
     assert store.put(keys[1], b"first") is PutOutcome.STORED
@@ -110,7 +110,7 @@ def test_a_batch_put_stores_every_pointer_and_keeps_what_was_there(store):
 
 
 def test_a_batch_put_that_replaces_takes_the_new_values(store):
-    from connector.keys import object_key
+    from connector.core.keys import object_key
 
     keys = [object_key(NS.key_component(), 0, KeyKind.POINTER, end, os.urandom(16)) for end in (8, 16)]
     assert store.put(keys[0], b"a dangling pointer") is PutOutcome.STORED
@@ -122,7 +122,7 @@ def test_a_batch_put_that_replaces_takes_the_new_values(store):
 
 
 def staged(store, slots=4, slot_bytes=1 << 16):
-    from connector.staging import StagingArea
+    from connector.store.staging import StagingArea
 
     area = StagingArea("test", slot_bytes, slots)
     store.register(area.address, area.nbytes)
@@ -168,8 +168,8 @@ def test_an_engine_side_that_started_before_its_master_connects_once_it_is_up(tm
     from functools import partial
 
     from connector.config import load_config
-    from connector.latestore import LateStore
-    from connector.mooncake import probe_master
+    from connector.store.latestore import LateStore
+    from connector.store.mooncake import probe_master
     from kvtool.store.master import LocalMaster
 
     master = LocalMaster(tmp_path / "late-master.log")  # its ports picked; nothing listens yet
@@ -198,7 +198,7 @@ def test_the_probe_says_why_a_port_that_answers_but_is_no_master_is_not_one():
     import threading
 
     from connector.config import load_config
-    from connector.mooncake import probe_master
+    from connector.store.mooncake import probe_master
 
     listener = socket.create_server(("127.0.0.1", 0))
     held = []
@@ -222,7 +222,7 @@ def test_a_probe_that_cannot_run_lets_the_setup_go_on_unprobed(monkeypatch, inte
     import sys
 
     from connector.config import load_config
-    from connector.mooncake import probe_master
+    from connector.store.mooncake import probe_master
 
     listener = socket.create_server(("127.0.0.1", 0))
     try:

@@ -8,14 +8,14 @@ import torch
 
 from connector.config import load_config
 from connector.data import BlockTransfer, KVToolMetadata, RequestSave
-from connector.hashing import RequestIdentity
-from connector.keys import KeyKind, Namespace, watermark_key
-from connector.objects import HEADER_SIZE
-from connector.prefix import PromptKeys, plan_save
-from connector.search import find_stored_prefix
-from connector.store import open_store
-from connector.watermarks import SaveState, WatermarkRecord
-from connector.worker import WorkerSide
+from connector.core.hashing import RequestIdentity
+from connector.core.keys import KeyKind, Namespace, watermark_key
+from connector.core.objects import HEADER_SIZE
+from connector.core.prefix import PromptKeys, plan_save
+from connector.core.search import find_stored_prefix
+from connector.store.store import open_store
+from connector.core.watermarks import SaveState, WatermarkRecord
+from connector.worker.worker import WorkerSide
 
 pytestmark = pytest.mark.integration
 

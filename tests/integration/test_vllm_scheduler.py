@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 from vllm.v1.request import RequestStatus
 
-from connector.hashing import RequestIdentity
-from connector.keys import KeyKind
-from connector.prefix import PromptKeys
+from connector.core.hashing import RequestIdentity
+from connector.core.keys import KeyKind
+from connector.core.prefix import PromptKeys
 
 from .vllm_scheduler import BLOCK_SIZE, SAMPLED_TOKEN, DrivenScheduler, driven_scheduler, new_request
 

@@ -30,7 +30,7 @@ class DrivenScheduler:
 
     @property
     def side(self):
-        """The connector's scheduler side (connector.scheduler.SchedulerSide)."""
+        """The connector's scheduler side (connector.scheduler.scheduler.SchedulerSide)."""
         return self.scheduler.connector._scheduler
 
     @property

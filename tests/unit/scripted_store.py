@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from connector.store import PutOutcome, StoreError
+from connector.store.store import PutOutcome, StoreError
 
 
 class ScriptedStore:

@@ -7,13 +7,13 @@ from __future__ import annotations
 import torch
 
 from connector.data import KVToolMetadata, answer_watermark_id
-from connector.groups import CacheGroup, GroupKind
-from connector.hashing import RequestIdentity
-from connector.keys import Namespace, decode_key, request_hash
-from connector.prefix import PromptKeys
-from connector.search import find_stored_prefix
-from connector.scheduler import SchedulerSide
-from connector.worker import WorkerSide
+from connector.core.groups import CacheGroup, GroupKind
+from connector.core.hashing import RequestIdentity
+from connector.core.keys import Namespace, decode_key, request_hash
+from connector.core.prefix import PromptKeys
+from connector.core.search import find_stored_prefix
+from connector.scheduler.scheduler import SchedulerSide
+from connector.worker.worker import WorkerSide
 
 from .scripted_store import InlineCalls, ScriptedStore
 from .test_scheduler import CONFIG, NS, PROMPT, allocate, first_chunk, lookup, publish, request, step
@@ -305,7 +305,7 @@ def test_an_answer_saves_record_never_counts_prompt_blocks_its_prompt_save_faile
     """A kv_both engine's prompt save planned blocks 32 and 64 (and the tail), but none of its puts landed
     (the store was full): the answer save names those blocks in its record, the put thread finds them
     absent, and the record says nothing is durable (not the answer's 104 tokens)."""
-    from connector.watermarks import WatermarkRecord
+    from connector.core.watermarks import WatermarkRecord
 
     layers = ["model.layers.0.attn"]
     caches = {name: torch.randn(8, 2, 32, 16) for name in layers}

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from connector.hits import HitDetails
+from connector.core.hits import HitDetails
 from kvtool.bench.command import plan_workloads
 from kvtool.bench.config import BenchConfig, build_workload
 from kvtool.bench.oracle import (

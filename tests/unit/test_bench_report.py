@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from connector.hits import HitDetails
+from connector.core.hits import HitDetails
 from kvtool.bench.command import parse_compare
 from kvtool.bench.report import bucket_label, connector_report, percentile, summarize
 from kvtool.bench.results import BenchDocument

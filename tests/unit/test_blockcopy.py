@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from connector.blockcopy import BlockRows
+from connector.worker.blockcopy import BlockRows
 
 
 def _pieces_bytes(tensors: list[torch.Tensor], block: int) -> bytes:

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from connector.breaker import BreakerPolicy, CircuitBreaker, GuardedStore
+from connector.store.breaker import BreakerPolicy, CircuitBreaker, GuardedStore
 from connector.calls import BoundedCalls, StoreBusy, StoreError, StoreTimeout
-from connector.scheduler import SchedulerSide
+from connector.scheduler.scheduler import SchedulerSide
 
 from .scripted_store import CountingStore, InlineCalls, ScriptedStore
 from .test_scheduler import CONFIG, EMPTY_STEP, NS, PROMPT, publish, request

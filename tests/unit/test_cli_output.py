@@ -13,10 +13,10 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from connector.hashing import RequestIdentity
-from connector.keys import Namespace, watermark_key
-from connector.prefix import PromptKeys, plan_save
-from connector.watermarks import SaveState, WatermarkRecord
+from connector.core.hashing import RequestIdentity
+from connector.core.keys import Namespace, watermark_key
+from connector.core.prefix import PromptKeys, plan_save
+from connector.core.watermarks import SaveState, WatermarkRecord
 from kvtool.bench.command import BenchOutcome
 from kvtool.bench.report import (
     COMPARISON_COLUMNS,

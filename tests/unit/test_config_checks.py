@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from connector.config import ConfigError, KVToolConfig, MooncakeSettings, check_block_size, load_config, parse_size
-from connector.worker import WorkerSide
+from connector.worker.worker import WorkerSide
 
 from .scripted_store import InlineCalls, ScriptedStore
 from .test_worker import LAYERS, NS, NUM_BLOCKS, SMALL_AREAS, kv_caches

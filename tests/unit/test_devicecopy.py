@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from connector.data import KVToolMetadata, RequestLoad, RequestSave
-from connector.devicecopy import block_major, device_ops_for
-from connector.worker import WorkerSide
+from connector.worker.devicecopy import block_major, device_ops_for
+from connector.worker.worker import WorkerSide
 
 from .scripted_store import InlineCalls, ScriptedStore
 from .test_worker import CONFIG, LAYERS, NS, NUM_BLOCKS, PROMPT, transfers
@@ -180,7 +180,7 @@ def test_block_major_views_and_the_devices_kvtool_moves():
 
 
 def test_copies_queued_before_a_failure_end_before_their_slots_go_back():
-    from connector.devicecopy import CopyStream
+    from connector.worker.devicecopy import CopyStream
 
     device = FakeDevice()
     stream = CopyStream(device)

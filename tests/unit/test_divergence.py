@@ -9,15 +9,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from connector.data import KVToolMetadata, RequestLoad, RequestSave
-from connector.groups import CacheGroup, GroupKind
-from connector.hashing import RequestIdentity
-from connector.keys import KeyKind
-from connector.objects import PointerRecord, encode_pointer
-from connector.prefix import PromptKeys, plan_load, plan_save
-from connector.search import find_stored_prefix
-from connector.objects import pointer_size
-from connector.saveplans import save_transfer
-from connector.store import PutOutcome
+from connector.core.groups import CacheGroup, GroupKind
+from connector.core.hashing import RequestIdentity
+from connector.core.keys import KeyKind
+from connector.core.objects import PointerRecord, encode_pointer
+from connector.core.prefix import PromptKeys, plan_load, plan_save
+from connector.core.search import find_stored_prefix
+from connector.core.objects import pointer_size
+from connector.core.saveplans import save_transfer
+from connector.store.store import PutOutcome
 
 from .scripted_store import ScriptedStore
 from .test_worker import BLOCK, LAYERS, NS, kv_caches, worker
@@ -237,7 +237,7 @@ def test_on_a_mamba_model_a_divergence_point_is_a_hit_only_where_a_state_is_stor
 
 def test_a_failed_pointer_read_costs_only_the_pointer_hits_of_its_batch():
     from connector.calls import StoreError
-    from connector.search import find_stored_prefixes
+    from connector.core.search import find_stored_prefixes
 
     store = ScriptedStore()
     save_with_pointers(store, kv_caches("random"), STORED, (3, 5, 1), grid=8)

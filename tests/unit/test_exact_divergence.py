@@ -12,12 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from connector.data import KVToolMetadata, RequestSave
-from connector.groups import CacheGroup, GroupKind
-from connector.hashing import save_tail_boundary
-from connector.objects import PointerRecord, encode_pointer
-from connector.prefix import PromptKeys, plan_load, plan_save
-from connector.saveplans import save_transfer
-from connector.search import find_stored_prefix
+from connector.core.groups import CacheGroup, GroupKind
+from connector.core.hashing import save_tail_boundary
+from connector.core.objects import PointerRecord, encode_pointer
+from connector.core.prefix import PromptKeys, plan_load, plan_save
+from connector.core.saveplans import save_transfer
+from connector.core.search import find_stored_prefix
 
 from .scripted_store import ScriptedStore
 from .test_divergence import ROOT

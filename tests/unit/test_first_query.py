@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from connector.config import EXTEND_MIN_TOKENS, has_lead_pointers
-from connector.hashing import RequestIdentity
-from connector.prefix import PromptKeys, plan_save
-from connector.search import find_stored_prefixes, first_block_sentinels
+from connector.core.hashing import RequestIdentity
+from connector.core.prefix import PromptKeys, plan_save
+from connector.core.search import find_stored_prefixes, first_block_sentinels
 
 from .test_worker import NS
 

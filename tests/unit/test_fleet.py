@@ -168,7 +168,7 @@ class ScriptedEngines:
         self.saved: dict[tuple[int, ...], str] = {}
 
     def __call__(self, url, tokens):
-        from connector.hits import HitDetails
+        from connector.core.hits import HitDetails
 
         engine = self.by_url[url]
         saver = self.saved.get(tuple(tokens[:-1]))

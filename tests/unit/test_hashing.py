@@ -2,7 +2,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from connector.hashing import (
+from connector.core.hashing import (
     _digest,
     pack_tokens,
     tail_hashes,
@@ -166,8 +166,8 @@ def test_tail_hashes_of_a_block_equal_its_tail_hashes_one_by_one(tokens, block_s
 
 @pytest.mark.parametrize("bad", [-1, 2**32, "7"])
 def test_a_prompt_with_an_id_the_keys_cannot_encode_has_no_keys(bad):
-    from connector.hashing import UnkeyableTokens
-    from connector.prefix import PromptKeys
+    from connector.core.hashing import UnkeyableTokens
+    from connector.core.prefix import PromptKeys
 
     with pytest.raises(UnkeyableTokens):
         PromptKeys.build([1, 2, bad, 4], 2, 1, "0123456789abcdef", ROOT)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from connector.hooktime import SLOW_CALL_S, HookClock, on_engine_thread
+from connector.scheduler.hooktime import SLOW_CALL_S, HookClock, on_engine_thread
 
 
 class Clock:

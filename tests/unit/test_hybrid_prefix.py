@@ -7,12 +7,12 @@ blocks a sliding-window group no longer held, as the scheduler side drops them.
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from connector.groups import CacheGroup, GroupKind, describe_groups
-from connector.hashing import RequestIdentity
-from connector.keys import KeyKind, decode_key
-from connector.prefix import PromptKeys, plan_load, plan_save
-from connector.search import find_stored_prefix
-from connector.watermarks import ObjectProgress, watermark
+from connector.core.groups import CacheGroup, GroupKind, describe_groups
+from connector.core.hashing import RequestIdentity
+from connector.core.keys import KeyKind, decode_key
+from connector.core.prefix import PromptKeys, plan_load, plan_save
+from connector.core.search import find_stored_prefix
+from connector.core.watermarks import ObjectProgress, watermark
 
 B = 32
 ROOT = RequestIdentity().root_hash()
@@ -235,7 +235,7 @@ def test_a_hybrid_watermark_stops_only_where_every_state_group_has_a_state():
 def alone_and_batched(store, prompt, groups=MAMBA):
     """``prompt``'s lookup alone, and as the fourth prompt of a batch (past the batch's first-block probe
     budget, ``search._first_block_probes``): (alone, batched)."""
-    from connector.search import find_stored_prefixes
+    from connector.core.search import find_stored_prefixes
 
     batch = [keys_for(list(range(5000 + 100 * i, 5060 + 100 * i)), groups) for i in range(3)]
     alone = find_stored_prefix(keys_for(prompt, groups), store.exists)

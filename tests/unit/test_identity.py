@@ -13,11 +13,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from connector.identity import (
+from connector.core.identity import (
     model_identity,
     model_identity_document,
 )
-from connector.keys import Namespace
+from connector.core.keys import Namespace
 
 # -- engine side: fake vllm_config objects mirroring the attributes read ----------------------------
 

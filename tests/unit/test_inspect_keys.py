@@ -3,7 +3,7 @@
 from hypothesis import given
 from hypothesis import strategies as st
 
-from connector.keys import Namespace, block_key, tail_key, watermark_key
+from connector.core.keys import Namespace, block_key, tail_key, watermark_key
 from kvtool.inspect.keys import FOREIGN, describe_key, namespaces, select_keys
 from kvtool.inspect.watermarks import latest_record_keys
 

@@ -2,12 +2,12 @@
 
 import pytest
 
-from connector.hashing import RequestIdentity
-from connector.objects import PointerRecord, encode_pointer
-from connector.keys import KeyKind, Namespace
-from connector.objects import ObjectHeader, encode_object
-from connector.prefix import PromptKeys, plan_load, plan_save
-from connector.search import find_stored_prefix
+from connector.core.hashing import RequestIdentity
+from connector.core.objects import PointerRecord, encode_pointer
+from connector.core.keys import KeyKind, Namespace
+from connector.core.objects import ObjectHeader, encode_object
+from connector.core.prefix import PromptKeys, plan_load, plan_save
+from connector.core.search import find_stored_prefix
 from kvtool.errors import UserError
 from kvtool.inspect.prompt import (
     EVICTED,
@@ -265,9 +265,9 @@ def test_a_prompt_file_that_is_empty_or_not_text_is_one_sentence(tmp_path):
 
 
 def test_watermark_records_are_matched_to_a_prompt_by_the_keys_they_name():
-    from connector.hashing import RequestIdentity
-    from connector.prefix import PromptKeys
-    from connector.watermarks import SaveState, WatermarkRecord
+    from connector.core.hashing import RequestIdentity
+    from connector.core.prefix import PromptKeys
+    from connector.core.watermarks import SaveState, WatermarkRecord
     from kvtool.inspect.prompt import record_coverage
 
     tokens = list(range(300, 385))

@@ -1,7 +1,7 @@
 """`kvtool inspect store` and `watermarks`: metrics parsing and record rows, without a master."""
 
-from connector.keys import Namespace, watermark_key
-from connector.watermarks import SaveState, WatermarkRecord
+from connector.core.keys import Namespace, watermark_key
+from connector.core.watermarks import SaveState, WatermarkRecord
 from kvtool.inspect.store import DEFAULT_EVICTION_HIGH_WATERMARK, store_summary
 from kvtool.prometheus import samples as parse_prometheus
 from kvtool.inspect.watermarks import latest_record_keys, load_records, watermark_rows

@@ -1,7 +1,7 @@
 """Store calls are counted by wrapping the store interface, and the wrapped store's counts come along."""
 
-from connector.instrumented import InstrumentedStore
-from connector.store import PutOutcome
+from connector.store.instrumented import InstrumentedStore
+from connector.store.store import PutOutcome
 
 
 class Backend:

@@ -1,7 +1,7 @@
 from hypothesis import given
 from hypothesis import strategies as st
 
-from connector.keys import KeyKind, Namespace, block_key, decode_key, request_hash, tail_key, watermark_key
+from connector.core.keys import KeyKind, Namespace, block_key, decode_key, request_hash, tail_key, watermark_key
 
 NS = Namespace(model="m", dtype="float32", kv_layout="cpu", block_size=32, num_layers=2, num_kv_heads=2, head_size=64)
 

@@ -1,4 +1,4 @@
-"""``connector.latestore``: an engine that started while its store was down connects once it is up."""
+"""``connector.store.latestore``: an engine that started while its store was down connects once it is up."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import time
 import pytest
 
 from connector.calls import StoreError
-from connector.latestore import LateStore
-from connector.store import PutOutcome
+from connector.store.latestore import LateStore
+from connector.store.store import PutOutcome
 
 from .scripted_store import ScriptedStore
 

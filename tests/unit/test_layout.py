@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from connector.identity import model_identity
+from connector.core.identity import model_identity
 
 from .test_identity import vllm_config
 
@@ -17,7 +17,7 @@ from .test_identity import vllm_config
 def test_engine_namespace_folds_in_the_model_identity():
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    from connector.layout import engine_layout
+    from connector.worker.layout import engine_layout
 
     spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float32)
     kv_cache_config = SimpleNamespace(
@@ -41,8 +41,8 @@ def test_hybrid_layouts_name_their_groups_and_refuse_what_they_cannot_load_exact
     import pytest
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
-    from connector.groups import GroupKind
-    from connector.layout import UnsupportedLayout, engine_layout
+    from connector.core.groups import GroupKind
+    from connector.worker.layout import UnsupportedLayout, engine_layout
 
     full = FullAttentionSpec(block_size=64, num_kv_heads=2, head_size=32, dtype=torch.float32)
     mamba = MambaSpec(block_size=64, shapes=((3, 288), (8, 32, 16)), dtypes=(torch.float32, torch.float32))
@@ -70,7 +70,7 @@ def test_speculative_layouts_are_refused_on_hybrid_groups():
     import pytest
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
-    from connector.layout import UnsupportedLayout, engine_layout
+    from connector.worker.layout import UnsupportedLayout, engine_layout
 
     full = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
     window = SlidingWindowSpec(
@@ -86,7 +86,7 @@ def test_speculative_layouts_are_refused_on_hybrid_groups():
 def _layout(cfg):
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    from connector.layout import engine_layout
+    from connector.worker.layout import engine_layout
 
     spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
     kv_cache_config = SimpleNamespace(
@@ -113,7 +113,7 @@ def test_the_attention_kernels_block_layout_moves_the_namespace(monkeypatch):
 def test_the_worker_refuses_layers_laid_out_otherwise_than_the_namespace_says(monkeypatch):
     import vllm.v1.attention.backends.cpu_attn as cpu_attn
 
-    from connector.layout import UnsupportedLayout, check_attention_layout
+    from connector.worker.layout import UnsupportedLayout, check_attention_layout
 
     monkeypatch.setattr(cpu_attn, "_get_attn_isa", lambda *args: "vec")
     layout = _layout(vllm_config())
@@ -133,7 +133,7 @@ def test_tensor_parallel_engines_key_by_their_tp_size_and_pipeline_parallelism_i
     the TP size, so engines of another TP size, whose ranks hold other heads, never share its keys."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    from connector.layout import UnsupportedLayout, engine_layout
+    from connector.worker.layout import UnsupportedLayout, engine_layout
 
     spec = FullAttentionSpec(block_size=32, num_kv_heads=1, head_size=64, dtype=torch.float32)
     kv_cache_config = SimpleNamespace(
@@ -159,8 +159,8 @@ def test_tensor_parallel_engines_key_by_their_tp_size_and_pipeline_parallelism_i
 
 
 def test_a_mamba_configuration_that_loses_reuse_is_said_at_start_up():
-    from connector.groups import CacheGroup, GroupKind
-    from connector.layout import state_reuse_warnings
+    from connector.core.groups import CacheGroup, GroupKind
+    from connector.worker.layout import state_reuse_warnings
 
     hybrid = (CacheGroup(0, GroupKind.FULL, 64), CacheGroup(1, GroupKind.STATE, 64))
     plain = (CacheGroup(0, GroupKind.FULL, 64),)

@@ -9,9 +9,9 @@ import threading
 
 from connector.calls import BoundedCalls
 from connector.data import BlockTransfer, RequestLoad
-from connector.keys import KeyKind
-from connector.loader import Loader
-from connector.staging import StagingArea
+from connector.core.keys import KeyKind
+from connector.worker.loader import Loader
+from connector.store.staging import StagingArea
 
 OBJECT_BYTES = 1024  # a slot (a multiple of the slot alignment)
 
@@ -80,7 +80,7 @@ def finish_all(instance, expected: set[str], rounds: int = 400):
 
 
 def accept_any(monkeypatch):
-    monkeypatch.setattr("connector.loader.verify_object", lambda value, header: memoryview(value))
+    monkeypatch.setattr("connector.worker.loader.verify_object", lambda value, header: memoryview(value))
 
 
 def test_more_concurrent_hits_than_threads_all_load(monkeypatch):
@@ -221,7 +221,7 @@ def test_a_load_the_store_time_out_gave_up_on_keeps_its_slots_until_the_client_r
     """The store's time-out stops waiting, not the client's call: its slots must not go to the next
     load while the client may still write into them (that load would read another object's bytes)."""
     from connector.config import KVToolConfig
-    from connector.store import TimedStore
+    from connector.store.store import TimedStore
 
     accept_any(monkeypatch)
     backend = GatedStore()
@@ -310,7 +310,7 @@ def test_a_load_slower_than_recomputing_its_tokens_is_abandoned_as_a_miss(monkey
     """The scheduler priced the load's tokens' recompute: a load still running past that (at least the
     floor) fails as ``slow``, its request recomputes, and the cost model hears how slow it was; a load
     not priced keeps the load time-out."""
-    from connector.loader import SLOW_LOAD_FLOOR_S
+    from connector.worker.loader import SLOW_LOAD_FLOOR_S
 
     accept_any(monkeypatch)
     store, clock = GatedStore(), Clock()

@@ -5,7 +5,7 @@ enough for a burst of new requests to be answered in the step that first sees th
 
 from __future__ import annotations
 
-from connector.lookupwait import (
+from connector.scheduler.lookupwait import (
     IDLE_LOOKUP_BUDGET_S,
     IDLE_SPELL_BUDGET_S,
     MAX_STEP_WAIT_S,
@@ -13,7 +13,7 @@ from connector.lookupwait import (
     SYNC_LOOKUP_BUDGET_S,
     LookupPacing,
 )
-from connector.profit import CostModel
+from connector.core.profit import CostModel
 
 from .test_slow_store import Clock
 

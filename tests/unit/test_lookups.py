@@ -5,10 +5,10 @@ from __future__ import annotations
 import threading
 
 from connector.calls import BoundedCalls, StoreError
-from connector.hashing import RequestIdentity
-from connector.lookups import LookupBatcher
-from connector.prefix import PromptKeys, plan_save
-from connector.search import find_stored_prefix
+from connector.core.hashing import RequestIdentity
+from connector.scheduler.lookups import LookupBatcher
+from connector.core.prefix import PromptKeys, plan_save
+from connector.core.search import find_stored_prefix
 
 from .scripted_store import CountingStore, InlineCalls, ScriptedStore
 

@@ -2,8 +2,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from connector.keys import KeyKind
-from connector.objects import HEADER_SIZE, ObjectHeader, ObjectRejected, encode_object, verify_object
+from connector.core.keys import KeyKind
+from connector.core.objects import HEADER_SIZE, ObjectHeader, ObjectRejected, encode_object, verify_object
 
 
 def expected(payload_len=64, **overrides):

@@ -3,10 +3,10 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from connector.hashing import RequestIdentity
-from connector.keys import KeyKind
-from connector.prefix import PromptKeys, plan_load, plan_save
-from connector.search import find_stored_prefix
+from connector.core.hashing import RequestIdentity
+from connector.core.keys import KeyKind
+from connector.core.prefix import PromptKeys, plan_load, plan_save
+from connector.core.search import find_stored_prefix
 
 B = 32
 ROOT = RequestIdentity().root_hash()
@@ -69,7 +69,7 @@ def test_a_miss_and_a_sub_block_hit_take_one_query():
 def test_a_batch_asks_the_first_block_candidates_first_for_its_first_prompts_only():
     """Beyond two 1k-token prompts (31 first-block ends each), a batch's prompts ask for their first
     block's candidates in the second query, where that block is not stored: the same hits, fewer keys."""
-    from connector.search import find_stored_prefixes
+    from connector.core.search import find_stored_prefixes
 
     store = KeySet()
     store.publish(PROMPT[:20])  # a stored sub-block prompt: three later prompts extend it
@@ -191,7 +191,7 @@ def test_hit_equals_the_oracle(published, length, unit, local_blocks, diverge_at
 def test_a_saves_pointer_hashes_are_the_tail_hashes_of_their_boundaries(tokens, grid, lead, asked_first):
     """A save takes only its pointers' hashes (not every boundary of their blocks, as a lookup does);
     they must be the very hashes a lookup computes for those boundaries, in either order of asking."""
-    from connector.hashing import tail_hash
+    from connector.core.hashing import tail_hash
 
     keys = PromptKeys.build(tokens, 32, 1, "ns", ROOT, grid=grid, lead_pointers=lead)
     if asked_first and len(tokens) % 32:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from connector.prefix import plan_save
-from connector.scheduler import SchedulerSide
+from connector.core.prefix import plan_save
+from connector.scheduler.scheduler import SchedulerSide
 
 from .scripted_store import InlineCalls, ScriptedStore
 from .test_scheduler import CONFIG, NS, PROMPT, first_chunk, publish, request, step

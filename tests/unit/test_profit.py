@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from connector.keys import KeyKind
-from connector.refs import LoadPlan, ObjectRef
-from connector.profit import MIN_SAMPLES, PRIOR_SECONDS_PER_BYTE, CostModel, LinearFit, judge
+from connector.core.keys import KeyKind
+from connector.core.refs import LoadPlan, ObjectRef
+from connector.core.profit import MIN_SAMPLES, PRIOR_SECONDS_PER_BYTE, CostModel, LinearFit, judge
 
 BLOCK_BYTES = 1_000_000
 
@@ -156,8 +156,8 @@ def test_a_tail_of_a_few_tokens_is_declined_once_the_whole_delay_is_known():
 
 
 def test_only_a_request_whose_load_was_sent_tells_its_delay_once():
-    from connector.profit import HitJudge
-    from connector.timeline import Timeline
+    from connector.core.profit import HitJudge
+    from connector.core.timeline import Timeline
 
     judge_ = HitJudge((1000,))
     loaded = plan(0, 32, [ref(0)])
@@ -187,7 +187,7 @@ def test_one_long_delay_does_not_make_every_load_look_dear():
 
 
 def test_a_lookup_is_skipped_only_where_no_load_could_pay_and_one_in_explore_every_is_made():
-    from connector.profit import EXPLORE_EVERY, HitJudge
+    from connector.core.profit import EXPLORE_EVERY, HitJudge
 
     judge_ = HitJudge((1 << 20,))
     assert judge_.lookup_verdict(0).skipped == "the engine holds every token a hit could claim"
@@ -202,9 +202,9 @@ def test_a_lookup_is_skipped_only_where_no_load_could_pay_and_one_in_explore_eve
 
 
 def test_a_request_looked_up_to_explore_takes_its_hit_and_leaves_the_declined_count_alone():
-    from connector.profit import HitJudge
-    from connector.prefix import PromptKeys, plan_load
-    from connector.search import StoredPrefix
+    from connector.core.profit import HitJudge
+    from connector.core.prefix import PromptKeys, plan_load
+    from connector.core.search import StoredPrefix
 
     judge_ = HitJudge((BLOCK_BYTES,))
     judge_.model = model(0.050, 1000.0, 1e-6)  # nothing pays

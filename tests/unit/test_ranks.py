@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from connector.keys import KeyKind, Namespace, block_key, decode_key, tail_key, watermark_key
-from connector.ranks import keys_on_every_rank, key_on_rank, on_every_rank, rank_components, rank_namespace
+from connector.core.keys import KeyKind, Namespace, block_key, decode_key, tail_key, watermark_key
+from connector.core.ranks import keys_on_every_rank, key_on_rank, on_every_rank, rank_components, rank_namespace
 
 NS = Namespace(model="m", dtype="float32", kv_layout="cpu", block_size=32, num_layers=2, num_kv_heads=1, head_size=64)
 

@@ -19,7 +19,7 @@ def layout_block() -> str:
 
 def test_the_layout_names_every_module_and_package():
     block = layout_block()
-    modules = [*ROOT.joinpath("connector").glob("*.py"), *ROOT.joinpath("kvtool").rglob("*.py")]
+    modules = [*ROOT.joinpath("connector").rglob("*.py"), *ROOT.joinpath("kvtool").rglob("*.py")]
     missing = [
         str(path.relative_to(ROOT))
         for path in modules
@@ -28,7 +28,12 @@ def test_the_layout_names_every_module_and_package():
         and path.name not in block
     ]
     assert not missing, f"modules the README's layout does not name: {missing}"
-    packages = [p.name for p in ROOT.joinpath("kvtool").iterdir() if p.is_dir() and p.name != "__pycache__"]
+    packages = [
+        p.name
+        for top in ("kvtool", "connector")
+        for p in ROOT.joinpath(top).iterdir()
+        if p.is_dir() and p.name != "__pycache__"
+    ]
     assert all(f"{name}/" in block for name in packages), packages
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import logging
 import time
 
-from connector.backend import PutOutcome
+from connector.store.backend import PutOutcome
 from connector.calls import StoreError
-from connector.refusals import Refusals
-from connector.worker import WorkerSide
+from connector.store.refusals import Refusals
+from connector.worker.worker import WorkerSide
 from connector.data import KVToolMetadata
 
 from .scripted_store import ScriptedStore

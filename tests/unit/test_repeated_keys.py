@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 
 from connector.data import KVToolMetadata, RequestLoad
-from connector.lookups import LookupBatcher
-from connector.objects import pointer_size
-from connector.uniquekeys import UniqueKeysStore
+from connector.scheduler.lookups import LookupBatcher
+from connector.core.objects import pointer_size
+from connector.store.uniquekeys import UniqueKeysStore
 
 from .scripted_store import InlineCalls, RepeatedKeyStore
 from .test_divergence import STORED, diverging, keys_for, save_with_pointers

@@ -11,8 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from connector.hashing import RequestIdentity
-from connector.identity import UnhashableRequest, embeddings_digest, request_identity
+from connector.core.hashing import RequestIdentity
+from connector.core.identity import UnhashableRequest, embeddings_digest, request_identity
 
 
 # -- request side -----------------------------------------------------------------------------------
@@ -136,7 +136,7 @@ def test_multimodal_requests_are_not_keyed_where_vllm_names_their_inputs_by_a_co
     ``renderer0-mm-<n>-image-0`` (a per-process request counter): another image after a restart, or in
     another engine, gets the same name. Such requests are neither looked up nor saved; text ones are."""
     from connector.connector import _mm_named_by_content
-    from connector.tracking import KeySpace, request_keys
+    from connector.scheduler.tracking import KeySpace, request_keys
 
     def engine_config(cache_gb, prefix_caching, multimodal=True):
         mm = SimpleNamespace(mm_processor_cache_gb=cache_gb) if multimodal else None

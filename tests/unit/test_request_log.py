@@ -8,9 +8,9 @@ import os
 import threading
 from types import SimpleNamespace
 
-from connector import requestlog
+from connector.scheduler import requestlog
 from connector.counters import Counters
-from connector.requestlog import RequestLog
+from connector.scheduler.requestlog import RequestLog
 
 
 def request(req_id: str, tag: str | None = None) -> SimpleNamespace:

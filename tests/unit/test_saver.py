@@ -10,13 +10,13 @@ import torch
 from connector.calls import BoundedCalls
 from connector.config import load_config
 from connector.data import BlockTransfer, KVToolMetadata, RequestLoad, RequestSave
-from connector.keys import KeyKind
-from connector.objects import HEADER_SIZE
-from connector.prefix import PromptKeys, plan_save
-from connector.saver import NO_SPACE_RETRY_DELAYS_S
-from connector.store import PutOutcome
-from connector.watermarks import SaveState
-from connector.worker import WorkerSide
+from connector.core.keys import KeyKind
+from connector.core.objects import HEADER_SIZE
+from connector.core.prefix import PromptKeys, plan_save
+from connector.worker.saver import NO_SPACE_RETRY_DELAYS_S
+from connector.store.store import PutOutcome
+from connector.core.watermarks import SaveState
+from connector.worker.worker import WorkerSide
 
 from .scripted_store import InlineCalls, ScriptedStore
 from .test_worker import LAYERS, NS, NUM_BLOCKS, SMALL_AREAS, kv_caches, records
@@ -302,7 +302,7 @@ def test_objects_found_stored_before_are_not_durable_when_the_store_does_not_ans
 def test_a_final_record_the_breaker_skipped_once_is_put_again(monkeypatch):
     """A put that stalled just before (Mooncake TCP's first transfer to a segment) opened the breaker,
     which skipped the save's final record: readers wait for that record, so it is put once more."""
-    from connector import saver as module
+    from connector.worker import saver as module
     from connector.calls import StoreError
 
     monkeypatch.setattr(module, "FINAL_RECORD_RETRY_S", 0.0)
@@ -327,7 +327,7 @@ def test_a_final_record_the_breaker_skipped_once_is_put_again(monkeypatch):
 def test_a_store_that_refuses_final_records_twice_is_not_tried_twice_again(monkeypatch):
     """Each second try holds the put thread: once one failed, later saves' final records get one try
     (for ``FINAL_RECORD_RETRY_PAUSE_S``), so saves queued behind a store that stays down drain fast."""
-    from connector import saver as module
+    from connector.worker import saver as module
     from connector.calls import StoreError
 
     monkeypatch.setattr(module, "FINAL_RECORD_RETRY_S", 0.0)

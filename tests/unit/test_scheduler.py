@@ -5,10 +5,10 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from connector.config import load_config
-from connector.hashing import RequestIdentity
-from connector.keys import Namespace
-from connector.prefix import PromptKeys, plan_save
-from connector.scheduler import SchedulerSide
+from connector.core.hashing import RequestIdentity
+from connector.core.keys import Namespace
+from connector.core.prefix import PromptKeys, plan_save
+from connector.scheduler.scheduler import SchedulerSide
 
 from .scripted_store import InlineCalls, ScriptedStore
 
@@ -246,7 +246,7 @@ def first_chunk(block_ids, tokens, req_id="r1"):
 
 
 def test_a_hybrid_save_copies_every_group_from_vllms_current_tables_and_never_a_freed_block():
-    from connector.groups import CacheGroup, GroupKind
+    from connector.core.groups import CacheGroup, GroupKind
 
     groups = (CacheGroup(0, GroupKind.FULL, 32), CacheGroup(1, GroupKind.SLIDING, 32, window=64))
     side = hybrid_producer(groups)
@@ -277,8 +277,8 @@ def test_a_hybrid_save_copies_every_group_from_vllms_current_tables_and_never_a_
 
 
 def test_mamba_boundary_states_are_saved_from_the_blocks_vllm_names_in_the_step_that_computes_them():
-    from connector.groups import CacheGroup, GroupKind
-    from connector.keys import KeyKind
+    from connector.core.groups import CacheGroup, GroupKind
+    from connector.core.keys import KeyKind
 
     groups = (CacheGroup(0, GroupKind.STATE, 64), CacheGroup(1, GroupKind.FULL, 64))
     side = SchedulerSide(
@@ -330,7 +330,7 @@ def replace_block_size(namespace, block_size):
 
 
 def test_a_hit_whose_state_group_got_no_block_fails_instead_of_computing_on_unfilled_bytes():
-    from connector.groups import CacheGroup, GroupKind
+    from connector.core.groups import CacheGroup, GroupKind
 
     side, req = hybrid_consumer_with_a_hit((CacheGroup(0, GroupKind.STATE, 32), CacheGroup(1, GroupKind.FULL, 32)))
     side.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([0, 0, 0], [10, 11, 12])), 85)
@@ -339,7 +339,7 @@ def test_a_hit_whose_state_group_got_no_block_fails_instead_of_computing_on_unfi
 
 
 def test_without_vllms_current_tables_only_full_attention_blocks_are_saved():
-    from connector.groups import CacheGroup, GroupKind
+    from connector.core.groups import CacheGroup, GroupKind
 
     groups = (CacheGroup(0, GroupKind.FULL, 32), CacheGroup(1, GroupKind.SLIDING, 32, window=64))
     side = hybrid_producer(groups)
@@ -351,7 +351,7 @@ def test_without_vllms_current_tables_only_full_attention_blocks_are_saved():
 
 
 def test_a_partial_grant_of_a_hybrid_hit_fails_its_load():
-    from connector.groups import CacheGroup, GroupKind
+    from connector.core.groups import CacheGroup, GroupKind
 
     groups = (CacheGroup(0, GroupKind.FULL, 32), CacheGroup(1, GroupKind.SLIDING, 32, window=64))
     side, req = hybrid_consumer_with_a_hit(groups)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from connector.scheduler import SchedulerSide
+from connector.scheduler.scheduler import SchedulerSide
 
 from .scripted_store import CountingStore, InlineCalls, ScriptedStore
 from .test_scheduler import CONFIG, EMPTY_STEP, NS, PROMPT, allocate, lookup, publish, request
@@ -141,7 +141,7 @@ def test_each_loaded_request_tells_the_cost_model_its_whole_delay_when_it_is_com
 def test_a_request_looked_up_to_explore_takes_its_hit_though_it_does_not_pay():
     """One request in 16 that no hit could pay for is looked up anyway, and takes its hit: the loads
     keep being measured, so a model that priced them too high once can learn otherwise."""
-    from connector.profit import EXPLORE_EVERY
+    from connector.core.profit import EXPLORE_EVERY
 
     store = CountingStore()
     publish(store, PROMPT)

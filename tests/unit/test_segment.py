@@ -8,7 +8,7 @@ import mmap
 from hypothesis import given
 from hypothesis import strategies as st
 
-from connector.segment import CHUNK_BYTES, MADV_POPULATE_WRITE, Prefault, anonymous_regions, fault_in, new_region
+from connector.store.segment import CHUNK_BYTES, MADV_POPULATE_WRITE, Prefault, anonymous_regions, fault_in, new_region
 
 MAPS = "".join(
     line + "\n"

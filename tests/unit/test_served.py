@@ -8,11 +8,11 @@ inside blocks: the index must agree with the per-length walk on all of them.
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from connector.groups import CacheGroup, GroupKind
-from connector.hashing import RequestIdentity
-from connector.prefix import PromptKeys, plan_save
-from connector.search import find_stored_prefix
-from connector.served import ServedIndex
+from connector.core.groups import CacheGroup, GroupKind
+from connector.core.hashing import RequestIdentity
+from connector.core.prefix import PromptKeys, plan_save
+from connector.core.search import find_stored_prefix
+from connector.core.served import ServedIndex
 
 B = 8
 ROOT = RequestIdentity().root_hash()

@@ -11,13 +11,13 @@ import threading
 
 import pytest
 
-from connector.breaker import BreakerPolicy, CircuitBreaker, GuardedStore, report_slow
+from connector.store.breaker import BreakerPolicy, CircuitBreaker, GuardedStore, report_slow
 from connector.calls import BoundedCalls
 from connector.counters import Counters
-from connector.lookups import LookupAbandoned, LookupBatcher
-from connector.lookupwait import WAIT_FLOOR_S, LookupPacing
-from connector.profit import CostModel
-from connector.scheduler import SchedulerSide
+from connector.scheduler.lookups import LookupAbandoned, LookupBatcher
+from connector.scheduler.lookupwait import WAIT_FLOOR_S, LookupPacing
+from connector.core.profit import CostModel
+from connector.scheduler.scheduler import SchedulerSide
 
 from .scripted_store import InlineCalls, ScriptedStore
 from .test_lookups import keys

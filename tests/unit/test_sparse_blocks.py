@@ -1,6 +1,6 @@
 """A block of many candidate ends (255 at block 256 and hash unit 1) is asked by its sentinels: its tails
 up to its first pointer and its pointers, then, with the pointer round, the tails past the last pointer
-found (``connector.probes``). The hits are the ones every candidate gives, from a fraction of the keys,
+found (``connector.core.probes``). The hits are the ones every candidate gives, from a fraction of the keys,
 and never past what the objects loaded hold."""
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from connector import probes
+from connector.core import probes
 from connector.config import EXTEND_MIN_TOKENS, has_lead_pointers
-from connector.hashing import RequestIdentity
-from connector.keys import KeyKind, decode_key
-from connector.objects import HEADER_SIZE, PointerRecord, encode_pointer
-from connector.prefix import PromptKeys, plan_load, plan_save
-from connector.search import find_stored_prefixes
+from connector.core.hashing import RequestIdentity
+from connector.core.keys import KeyKind, decode_key
+from connector.core.objects import HEADER_SIZE, PointerRecord, encode_pointer
+from connector.core.prefix import PromptKeys, plan_load, plan_save
+from connector.core.search import find_stored_prefixes
 
 from .scripted_store import ScriptedStore
 from .test_worker import NS

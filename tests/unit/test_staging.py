@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from connector.staging import SLOT_ALIGN, StagingArea
+from connector.store.staging import SLOT_ALIGN, StagingArea
 
 
 def test_slots_are_aligned_disjoint_and_come_back_on_release():

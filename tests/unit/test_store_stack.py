@@ -9,14 +9,14 @@ import pytest
 
 from connector.calls import StoreBusy, StoreTimeout
 from connector.config import load_config
-from connector.faults import FaultyStore
-from connector.breaker import CircuitBreaker, GuardedStore
-from connector.loader import LOAD_THREADS
-from connector.staging import StagingArea
-from connector.instrumented import InstrumentedStore
-from connector.latestore import LateStore
-from connector.store import PROBES, PutOutcome, StoreError, TimedStore
-from connector.stack import WORKER_STORE_CALLS, breaker_policy, open_store_stack
+from connector.store.faults import FaultyStore
+from connector.store.breaker import CircuitBreaker, GuardedStore
+from connector.worker.loader import LOAD_THREADS
+from connector.store.staging import StagingArea
+from connector.store.instrumented import InstrumentedStore
+from connector.store.latestore import LateStore
+from connector.store.store import PROBES, PutOutcome, StoreError, TimedStore
+from connector.store.stack import WORKER_STORE_CALLS, breaker_policy, open_store_stack
 
 from .scripted_store import ScriptedStore
 
@@ -89,7 +89,7 @@ def test_a_busy_healthy_store_takes_every_worker_call_at_once_and_keeps_the_brea
 
 def test_closing_leaves_the_client_open_under_a_call_that_has_not_returned(monkeypatch):
     """Closing the client library under a call still running in it could crash the engine's process."""
-    from connector import store as module
+    from connector.store import store as module
 
     monkeypatch.setattr(module, "CLOSE_WAIT_S", 0.01)
 
@@ -129,7 +129,7 @@ def test_faults_wrap_the_interface(tmp_path):
 
 
 def test_faults_wrap_the_zero_copy_batches_too(tmp_path):
-    from connector.staging import StagingArea
+    from connector.store.staging import StagingArea
 
     backend = ScriptedStore()
     backend.objects["kvtool/2/ns/0/b/32/aa"] = bytes(range(32))
@@ -186,7 +186,9 @@ def test_a_backend_without_a_probe_is_opened_straight_away(monkeypatch):
     opened = []
     monkeypatch.setitem(PROBES, "mooncake", None)
     monkeypatch.delitem(PROBES, "mooncake")
-    monkeypatch.setattr("connector.stack.open_store", lambda config, **kwargs: opened.append(kwargs) or ScriptedStore())
+    monkeypatch.setattr(
+        "connector.store.stack.open_store", lambda config, **kwargs: opened.append(kwargs) or ScriptedStore()
+    )
     config = load_config({"master_server_address": "127.0.0.1:1"})
     stack = open_store_stack(config, "worker")
     assert opened == [{"shared": True, "call_threads": WORKER_STORE_CALLS}]

@@ -85,7 +85,7 @@ def test_a_master_group_in_ha_mode_is_named_by_its_etcd_endpoints(tmp_path, monk
 def test_the_connector_takes_an_ha_group_and_fails_closed_when_no_endpoint_answers():
     from connector.calls import StoreError
     from connector.config import load_config
-    from connector.mooncake import _check_reachable
+    from connector.store.mooncake import _check_reachable
     from kvtool.pair.procs import find_free_port
 
     config = load_config({"mooncake": {"master_server_address": "etcd://127.0.0.1:2379;127.0.0.1:2479"}})

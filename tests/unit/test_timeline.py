@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from connector.timeline import Timeline
+from connector.core.timeline import Timeline
 
 
 def test_marks_are_relative_to_first_sight_in_pass_order_and_keep_their_first_pass():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from connector.tokencut import cuttable, token_bytes, token_views
+from connector.core.tokencut import cuttable, token_bytes, token_views
 
 
 def kernel_layout(dtype: torch.dtype, head: int, block: int) -> str:

@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from connector.config import load_config
-from connector.staging import StagingArea
-from connector.store import PutOutcome, open_store
-from connector.uniquekeys import TOO_SMALL, UniqueKeysStore
+from connector.store.staging import StagingArea
+from connector.store.store import PutOutcome, open_store
+from connector.store.uniquekeys import TOO_SMALL, UniqueKeysStore
 
 from .scripted_store import RepeatedKeyStore
 
@@ -146,7 +146,7 @@ def test_every_put_batch_stores_what_a_put_of_each_item_in_turn_stores(items):
 
 def test_open_store_puts_the_guard_between_every_caller_and_the_backend(monkeypatch, tmp_path):
     """Under the time-outs, and above fault injection (which stands for the backend)."""
-    from connector import store as module
+    from connector.store import store as module
 
     backend = fake_store()
     monkeypatch.setitem(module.BACKENDS, "mooncake", lambda config: backend)

@@ -10,12 +10,12 @@ import torch
 
 from connector.config import load_config
 from connector.data import BlockTransfer, KVToolMetadata, RequestLoad, RequestSave
-from connector.hashing import RequestIdentity
-from connector.keys import KeyKind, Namespace, decode_key
-from connector.prefix import PromptKeys, plan_save
-from connector.store import PutOutcome
-from connector.watermarks import SaveState, WatermarkRecord
-from connector.worker import WorkerSide
+from connector.core.hashing import RequestIdentity
+from connector.core.keys import KeyKind, Namespace, decode_key
+from connector.core.prefix import PromptKeys, plan_save
+from connector.store.store import PutOutcome
+from connector.core.watermarks import SaveState, WatermarkRecord
+from connector.worker.worker import WorkerSide
 
 from .scripted_store import InlineCalls, ScriptedStore
 
@@ -212,10 +212,10 @@ def test_copy_on_write_copies_are_made_whole_across_views_that_share_memory(stor
 
 
 def test_a_tail_cut_per_token_holds_its_valid_tokens_only_and_loads_them_into_the_first_slots():
-    """On the CPU kernel's layout (K transposed, then V, per head: connector.tokencut) a 21-token tail
+    """On the CPU kernel's layout (K transposed, then V, per head: connector.core.tokencut) a 21-token tail
     stores 21 tokens' K and V, and a load writes them where the kernel reads those tokens; the rest of
     the block is the engine's to compute."""
-    from connector.objects import HEADER_SIZE, decode_header
+    from connector.core.objects import HEADER_SIZE, decode_header
 
     store, source = ScriptedStore(), kv_caches("random")
     side = WorkerSide(NS, store, CONFIG, saves_enabled=True, load_calls=InlineCalls())
@@ -268,7 +268,7 @@ def test_host_copies_of_a_save_leave_the_engine_thread_and_end_before_the_next_s
 def test_without_the_per_step_hook_copies_stay_on_the_engine_thread():
     import threading
 
-    from connector.stepcopies import StepCopies
+    from connector.worker.stepcopies import StepCopies
 
     copies, ran = StepCopies(), []
     copies.run(lambda: ran.append(threading.current_thread().name))
@@ -285,7 +285,7 @@ def test_under_vllms_v2_model_runner_copies_stay_on_the_engine_thread():
     import threading
 
     from connector.connector import _v1_model_runner
-    from connector.stepcopies import StepCopies
+    from connector.worker.stepcopies import StepCopies
 
     copies, ran = StepCopies(deferrable=False), []
     copies.settle()  # the hook seen

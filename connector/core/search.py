@@ -1,7 +1,7 @@
 """Finding the longest stored prefix of prompts, to the token. Pure logic.
 
 The store is consulted through an ``exists`` callable (and a ``read`` callable for pointer records), so
-the rules here are tested without one. ``connector.prefix`` says which keys a prompt has and what each
+the rules here are tested without one. ``connector.core.prefix`` says which keys a prompt has and what each
 cache group needs for a hit; this module asks which are stored, settles the pointers a hit relies on,
 and extends the hit through the token ids pointer records carry, to the exact point where the prompt
 leaves a stored one.
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from .calls import StoreError
+from ..calls import StoreError
 from .groups import GroupKind
 from .hashing import block_hashes, tail_hash
 from .keys import KeyKind, decode_key, object_key

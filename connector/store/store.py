@@ -25,9 +25,9 @@ from collections.abc import Callable, Sequence
 
 from typing import TYPE_CHECKING, TypeVar
 
-from .calls import BoundedCalls, StoreError, result_of
+from ..calls import BoundedCalls, StoreError, result_of
 from .backend import KVStore, PutOutcome
-from .config import KVToolConfig
+from ..config import KVToolConfig
 from .uniquekeys import UniqueKeysStore
 
 if TYPE_CHECKING:

@@ -34,10 +34,10 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from .breaker import CircuitBreaker, report_slow
-from .counters import Counters, WarnOnce
+from ..store.breaker import CircuitBreaker, report_slow
+from ..counters import Counters, WarnOnce
 from .lookups import LookupBatcher, Outcome
-from .profit import CostModel
+from ..core.profit import CostModel
 
 logger = logging.getLogger("vllm.kvtool")
 

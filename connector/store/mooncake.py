@@ -17,8 +17,8 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from .calls import BoundedCalls, StoreError
-from .config import HA_PREFIX, KVToolConfig, master_endpoints
+from ..calls import BoundedCalls, StoreError
+from ..config import HA_PREFIX, KVToolConfig, master_endpoints
 from .backend import PutOutcome
 from .segment import Prefault, new_region, prefault_in_background, read_maps
 

@@ -17,16 +17,16 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .data import prompt_watermark_id
-from .groups import CacheGroup
-from .hashing import RequestIdentity, UnkeyableTokens
-from .hits import HitDetails
-from .identity import UnhashableRequest, identity_size, prompt_tokens, request_identity
-from .keys import watermark_key
-from .prefix import PromptKeys
-from .refs import LoadPlan, ObjectRef, StoredPrefix
-from .timeline import Timeline
-from .watermarks import SEQ_FINAL
+from ..data import prompt_watermark_id
+from ..core.groups import CacheGroup
+from ..core.hashing import RequestIdentity, UnkeyableTokens
+from ..core.hits import HitDetails
+from ..core.identity import UnhashableRequest, identity_size, prompt_tokens, request_identity
+from ..core.keys import watermark_key
+from ..core.prefix import PromptKeys
+from ..core.refs import LoadPlan, ObjectRef, StoredPrefix
+from ..core.timeline import Timeline
+from ..core.watermarks import SEQ_FINAL
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -105,7 +105,7 @@ class TrackedRequest:
     answer_tokens: int = 0
     answer_objects: int = 0
     answer_last_key: str | None = None
-    timeline: Timeline | None = None  # where its first step went (connector.timeline)
+    timeline: Timeline | None = None  # where its first step went (connector.core.timeline)
 
     @classmethod
     def start(cls, request: Request, space: KeySpace, now_s: float = 0.0, step: int = 0) -> TrackedRequest:

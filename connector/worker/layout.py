@@ -1,15 +1,15 @@
 """An engine's KV layout, read once from vLLM's configuration and shared by both sides: its cache
-groups (``connector.groups``) and the namespace of its stored KV."""
+groups (``connector.core.groups``) and the namespace of its stored KV."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .groups import CacheGroup, GroupKind, describe_groups
-from .identity import model_identity
-from .keys import MAX_GROUP, Namespace
-from .tokencut import CUTTABLE
+from ..core.groups import CacheGroup, GroupKind, describe_groups
+from ..core.identity import model_identity
+from ..core.keys import MAX_GROUP, Namespace
+from ..core.tokencut import CUTTABLE
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -29,7 +29,7 @@ class EngineLayout:
     attention: tuple[str | None, ...] = ()
     block_bytes: tuple[int, ...] = ()  # per group: one block across its layers (what an object holds)
     # Per group: bytes a token takes across its layers where its tails hold their valid tokens only
-    # (connector.tokencut), else 0 (its tails are whole blocks).
+    # (connector.core.tokencut), else 0 (its tails are whole blocks).
     token_bytes: tuple[int, ...] = ()
 
 
@@ -108,7 +108,7 @@ def engine_layout(
     groups = tuple(_group_kind(index, group) for index, group in enumerate(specs))
     for group, spec in zip(groups, (g.kv_cache_spec for g in specs), strict=True):
         # Speculative decoding keeps extra blocks below a window, or moves a Mamba state to another
-        # block: what a hit needs is then not what connector.groups computes. Never guess.
+        # block: what a hit needs is then not what connector.core.groups computes. Never guess.
         if group.kind is GroupKind.SLIDING and getattr(spec, "extra_retained_tokens", 0):
             raise UnsupportedLayout(f"KV cache group {group.index} keeps blocks below its window (spec decoding)")
         if group.kind is GroupKind.STATE and getattr(spec, "num_speculative_blocks", 0):
@@ -155,7 +155,7 @@ def engine_layout(
         num_kv_heads=spec.num_kv_heads,
         head_size=spec.head_size,
         tp_size=parallel.tensor_parallel_size,
-        tp_rank=0,  # the scheduler side's; each worker names its own (connector.ranks)
+        tp_rank=0,  # the scheduler side's; each worker names its own (connector.core.ranks)
         cache_group=0,
         weights_digest=weights_digest,
         model_identity=model_identity(vllm_config, weights_digest),
@@ -198,7 +198,7 @@ def state_reuse_warnings(
 
 
 def _check_parallelism(parallel: object) -> None:
-    """Tensor parallelism is keyed per rank (``connector.ranks``); other splits of the KV are refused."""
+    """Tensor parallelism is keyed per rank (``connector.core.ranks``); other splits of the KV are refused."""
     if getattr(parallel, "pipeline_parallel_size", 1) != 1:
         # A rank then holds some layers' KV of the prompt: not what a namespace per TP rank describes.
         raise UnsupportedLayout("pipeline parallelism above 1 is not supported yet")

@@ -22,8 +22,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .calls import StoreBusy, StoreError, StoreNotConnected, StoreTimeout
-from .counters import Counters
+from ..calls import StoreBusy, StoreError, StoreNotConnected, StoreTimeout
+from ..counters import Counters
 from .store import KVStore, PutOutcome
 
 if TYPE_CHECKING:

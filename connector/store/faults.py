@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from .calls import StoreError
+from ..calls import StoreError
 from .backend import KVStore, PutOutcome
 
 if TYPE_CHECKING:

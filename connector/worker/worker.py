@@ -23,20 +23,20 @@ from functools import partial
 import torch
 
 from .blockcopy import BlockRows
-from .breaker import CircuitBreaker
-from .calls import BoundedCalls
-from .counters import Counters, WarnOnce
+from ..store.breaker import CircuitBreaker
+from ..calls import BoundedCalls
+from ..counters import Counters, WarnOnce
 from .devicecopy import CopyStream, DeviceOps, Fence, block_major, device_ops_for
-from .config import ConfigError, KVToolConfig, bad_value
-from .data import BlockTransfer, KVToolMetadata, KVToolWorkerMeta, RequestSave, StoredObject
-from .keys import KeyKind, Namespace, object_key, watermark_key
+from ..config import ConfigError, KVToolConfig, bad_value
+from ..data import BlockTransfer, KVToolMetadata, KVToolWorkerMeta, RequestSave, StoredObject
+from ..core.keys import KeyKind, Namespace, object_key, watermark_key
 from .loader import MAX_SAMPLES, Loader
-from .objects import HEADER_SIZE, ObjectHeader, PointerRecord, encode_pointer
+from ..core.objects import HEADER_SIZE, ObjectHeader, PointerRecord, encode_pointer
 from .saver import ObjectCopy, Saver, SaveJob
-from .staging import Lease, Region, StagingArea
+from ..store.staging import Lease, Region, StagingArea
 from .stepcopies import StepCopies
-from .store import KVStore, StoreError
-from .tokencut import cuttable, token_bytes, token_views
+from ..store.store import KVStore, StoreError
+from ..core.tokencut import cuttable, token_bytes, token_views
 
 # How long get_finished waits for the loads in flight after a step that computed nothing.
 IDLE_LOAD_WAIT_S = 0.010

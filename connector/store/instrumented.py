@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
-from .counters import Counters
+from ..counters import Counters
 from .store import KVStore, PutOutcome
 
 if TYPE_CHECKING:

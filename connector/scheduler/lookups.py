@@ -17,12 +17,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from .backend import KVStore
-from .calls import BoundedCalls, StoreError
-from .objects import pointer_size
-from .prefix import PromptKeys
-from .refs import StoredPrefix
-from .search import ExistsFn, ReadFn, find_stored_prefixes
+from ..store.backend import KVStore
+from ..calls import BoundedCalls, StoreError
+from ..core.objects import pointer_size
+from ..core.prefix import PromptKeys
+from ..core.refs import StoredPrefix
+from ..core.search import ExistsFn, ReadFn, find_stored_prefixes
 
 Outcome = StoredPrefix | StoreError
 T = TypeVar("T")

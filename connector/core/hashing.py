@@ -60,7 +60,7 @@ class RequestIdentity:
     ``cache_salt`` isolates users (requests with different salts never share KV), ``lora_name`` and
     ``lora_path`` the adapter, ``mm_hashes`` the multimodal inputs (identifier and placeholder
     position), ``embeds_digest`` the prompt embeddings (their positions hold placeholder token ids,
-    so the tokens alone do not tell them apart). ``connector.identity.request_identity`` reads them
+    so the tokens alone do not tell them apart). ``connector.core.identity.request_identity`` reads them
     from a vLLM request.
     """
 

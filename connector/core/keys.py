@@ -49,11 +49,11 @@ class Namespace:
     cache_group: int = 0  # always 0 since schema 2: the key and the object header carry the group
     weights_digest: str = ""
     # Digest of everything else about the model that changes KV bytes for the same tokens
-    # (connector.identity.model_identity: quantization, revisions, hf_overrides, rope, KV cache
+    # (connector.core.identity.model_identity: quantization, revisions, hf_overrides, rope, KV cache
     # dtype, config files, weight file stats). Empty: not known (left out of the fingerprint, so a
     # namespace without it keeps the fingerprint it had before the field existed).
     model_identity: str = ""
-    # A hybrid model's KV cache groups, in order (connector.groups.describe_groups); empty for a model
+    # A hybrid model's KV cache groups, in order (connector.core.groups.describe_groups); empty for a model
     # with one group of plain attention (left out of the fingerprint, like model_identity).
     cache_groups: str = ""
 

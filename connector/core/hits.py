@@ -42,10 +42,10 @@ class HitDetails:
     # than the prefill it saves) or "trimmed: ..." (the partial block's object was dropped).
     load_skipped: str | None = None
     # Where its first step went: {mark: [ms, scheduler steps] since the connector first saw it}, marks
-    # "answered" (lookup), "load_sent", "load_done", "computing" (connector.timeline).
+    # "answered" (lookup), "load_sent", "load_done", "computing" (connector.core.timeline).
     timeline: dict[str, list[float]] | None = None
     # With tensor parallelism, every rank's namespace (rank 0 first: the one the keys above name); each
-    # rank saves its share of the KV under its own (``connector.ranks``). Empty for one rank.
+    # rank saves its share of the KV under its own (``connector.core.ranks``). Empty for one rank.
     tp_namespaces: tuple[str, ...] = ()
     # Only in request-log records: the vLLM request id and the client's kvtool_tag.
     request_id: str | None = None

@@ -18,7 +18,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from .calls import StoreError, StoreNotConnected
+from ..calls import StoreError, StoreNotConnected
 from .backend import KVStore
 from .store import ForwardingStore
 

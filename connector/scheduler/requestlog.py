@@ -21,7 +21,7 @@ import queue
 import threading
 from typing import TYPE_CHECKING, Any, TextIO
 
-from .counters import Counters, WarnOnce
+from ..counters import Counters, WarnOnce
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request

@@ -24,7 +24,7 @@ from .refs import ObjectRef
 
 
 class PromptKeys(Protocol):
-    """What the index reads of a prompt's keys (``connector.prefix.PromptKeys``, which builds and keeps
+    """What the index reads of a prompt's keys (``connector.core.prefix.PromptKeys``, which builds and keeps
     one index per stored-key set: named here by what it offers, so neither module needs the other)."""
 
     tokens: tuple[int, ...]

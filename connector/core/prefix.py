@@ -1,7 +1,7 @@
 """A prompt's keys in every cache group, what each group needs for a hit, and the plans a load and a
-save follow. Pure logic (``connector.search`` asks the store which of these keys it holds).
+save follow. Pure logic (``connector.core.search`` asks the store which of these keys it holds).
 
-A model has one or more KV cache groups (``connector.groups``); a prefix is stored when every group
+A model has one or more KV cache groups (``connector.core.groups``); a prefix is stored when every group
 holds what it needs for it, and a load reads each group's objects into that group's blocks.
 """
 

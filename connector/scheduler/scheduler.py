@@ -7,23 +7,23 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .config import KVToolConfig, divergence_grid, lead_pointers
-from .data import BlockTransfer, KVToolMetadata, RequestLoad, RequestSave, StoredObject
-from .groups import NULL_BLOCK_ID, CacheGroup, GroupKind
-from .keys import KeyKind, Namespace
+from ..config import KVToolConfig, divergence_grid, lead_pointers
+from ..data import BlockTransfer, KVToolMetadata, RequestLoad, RequestSave, StoredObject
+from ..core.groups import NULL_BLOCK_ID, CacheGroup, GroupKind
+from ..core.keys import KeyKind, Namespace
 from .answers import plan_answer_save
-from .breaker import CircuitBreaker
-from .calls import BoundedCalls
-from .counters import Counters, WarnOnce
+from ..store.breaker import CircuitBreaker
+from ..calls import BoundedCalls
+from ..counters import Counters, WarnOnce
 from .lookups import POINTER_READ_SHARE, LookupBatcher, pointer_reader
 from .lookupwait import LookupPacing
-from .prefix import plan_load, plan_save, single_group
-from .refs import ObjectRef
-from .profit import HitJudge
-from .ranks import on_every_rank, rank_components
-from .search import find_saved_objects, find_stored_prefixes
-from .store import KVStore, StoreError
-from .saveplans import add_state_saves, last_put_key, save_transfer, state_transfers
+from ..core.prefix import plan_load, plan_save, single_group
+from ..core.refs import ObjectRef
+from ..core.profit import HitJudge
+from ..core.ranks import on_every_rank, rank_components
+from ..core.search import find_saved_objects, find_stored_prefixes
+from ..store.store import KVStore, StoreError
+from ..core.saveplans import add_state_saves, last_put_key, save_transfer, state_transfers
 from .requestlog import RequestLog
 from .tracking import KeySpace, TrackedRequest
 
@@ -268,7 +268,7 @@ class SchedulerSide:
         meta.step_tokens = step_tokens
         self._pending_loads, self._pending_saves = [], []
         # vLLM 0.32 copies a sub-block prefix hit's shared tail block (copy-on-write) only partly on a
-        # hybrid model (connector.worker.WorkerSide.repair_block_copies): have the worker redo them.
+        # hybrid model (connector.worker.worker.WorkerSide.repair_block_copies): have the worker redo them.
         meta.block_copies = tuple(
             (copy.src_block_id, copy.dst_block_id)
             for copy in getattr(scheduler_output, "kv_cache_block_copies", None) or ()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .data import BlockTransfer, RequestSave
+from ..data import BlockTransfer, RequestSave
 from .groups import NULL_BLOCK_ID, CacheGroup, GroupKind
 from .prefix import PromptKeys
 from .refs import ObjectRef

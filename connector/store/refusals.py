@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 
 from .backend import PutOutcome
-from .calls import StoreError
+from ..calls import StoreError
 
 logger = logging.getLogger("vllm.kvtool")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-# Kernel layouts (connector.layout.attention_layout) whose blocks can be cut per token.
+# Kernel layouts (connector.worker.layout.attention_layout) whose blocks can be cut per token.
 CUTTABLE = frozenset({"CPU_ATTN:vec", "CPU_ATTN:vec16"})
 
 

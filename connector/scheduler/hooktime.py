@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from .counters import Counters
+from ..counters import Counters
 
 F = TypeVar("F", bound=Callable[..., Any])
 

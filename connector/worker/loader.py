@@ -35,12 +35,12 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from functools import partial
 
-from .calls import BoundedCalls, StoreBusy, StoreError
-from .data import BlockTransfer, RequestLoad
-from .keys import KeyKind
-from .objects import ObjectHeader, ObjectRejected, verify_object
-from .staging import Lease, StagingArea
-from .store import KVStore
+from ..calls import BoundedCalls, StoreBusy, StoreError
+from ..data import BlockTransfer, RequestLoad
+from ..core.keys import KeyKind
+from ..core.objects import ObjectHeader, ObjectRejected, verify_object
+from ..store.staging import Lease, StagingArea
+from ..store.store import KVStore
 
 
 _KIND_NAMES = {KeyKind.BLOCK: "block", KeyKind.TAIL: "tail", KeyKind.STATE: "state"}

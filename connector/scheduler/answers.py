@@ -3,12 +3,12 @@ so that a chat's next turn reuses the answer too."""
 
 from __future__ import annotations
 
-from .counters import Counters
+from ..counters import Counters
 
-from .data import RequestSave, StoredObject
-from .groups import NULL_BLOCK_ID
-from .prefix import plan_save
-from .saveplans import last_put_key, save_transfer
+from ..data import RequestSave, StoredObject
+from ..core.groups import NULL_BLOCK_ID
+from ..core.prefix import plan_save
+from ..core.saveplans import last_put_key, save_transfer
 from .tracking import KeySpace, TrackedRequest
 
 

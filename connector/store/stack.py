@@ -20,7 +20,7 @@ from functools import partial
 from typing import Literal
 
 from .breaker import BreakerPolicy, CircuitBreaker, GuardedStore
-from .config import KVToolConfig
+from ..config import KVToolConfig
 from .instrumented import InstrumentedStore
 from .latestore import LateStore
 from .store import CALL_THREADS, PROBES, KVStore, StoreError, TimedStore, open_store

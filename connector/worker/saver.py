@@ -20,16 +20,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from .calls import StoreError
-from .data import RequestSave
-from .keys import KeyKind
-from .counters import Counters, WarnOnce
+from ..calls import StoreError
+from ..data import RequestSave
+from ..core.keys import KeyKind
+from ..counters import Counters, WarnOnce
 from .devicecopy import Fence
-from .objects import ObjectHeader, seal_object
-from .refusals import Refusals
-from .staging import Lease, Region, StagingArea
-from .store import KVStore, PutOutcome
-from .watermarks import SEQ_FINAL, SEQ_PENDING, ObjectProgress, WatermarkRecord, watermark
+from ..core.objects import ObjectHeader, seal_object
+from ..store.refusals import Refusals
+from ..store.staging import Lease, Region, StagingArea
+from ..store.store import KVStore, PutOutcome
+from ..core.watermarks import SEQ_FINAL, SEQ_PENDING, ObjectProgress, WatermarkRecord, watermark
 
 logger = logging.getLogger("vllm.kvtool")
 
