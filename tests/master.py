@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvtool.errors import ServerError
-from kvtool.pair.procs import LOOPBACK
+from kvtool.procs import LOOPBACK
 from kvtool.store.master import LocalMaster
 
 __all__ = ["LOOPBACK", "Master"]

@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from kvtool import web  # noqa: E402
-from kvtool.pair.procs import find_free_port  # noqa: E402
+from kvtool.procs import find_free_port  # noqa: E402
 
 
 def start_pair(workdir: Path) -> tuple[subprocess.Popen, dict]:

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from connector.calls import StoreError  # noqa: E402
 from connector.config import load_config  # noqa: E402
 from connector.store.store import PutOutcome, open_store  # noqa: E402
-from kvtool.pair.procs import http_ok  # noqa: E402
+from kvtool.procs import http_ok  # noqa: E402
 from kvtool.store.master import LocalMaster  # noqa: E402
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 
 from kvtool import web
-from kvtool.pair.procs import find_free_port, log_tail
+from kvtool.procs import find_free_port, log_tail
 
 REPO = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 400.0

@@ -21,7 +21,7 @@ from kvtool.portable import portable
 from kvtool.errors import UserError
 from kvtool.pair.launch import launched_pair
 from kvtool.pair.preflight import check_values
-from kvtool.pair.procs import ProcessSet
+from kvtool.procs import ProcessSet
 from kvtool.pair.ready import ReadyFile, read_ready_file
 from kvtool.pair.config import REPO_ROOT, Reporter, ServePairConfig
 from kvtool.pair.profiles import profile

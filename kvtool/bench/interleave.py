@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 
 from kvtool.errors import UserError
 from kvtool.pair.config import ServePairConfig
-from kvtool.pair.procs import find_free_port
+from kvtool.procs import find_free_port
 
 # The ports a pair of its own needs: its engines', and those of what it starts beside them.
 PAIR_PORT_FIELDS = ("producer_port", "consumer_port", "master_port", "admin_port", "store_port")

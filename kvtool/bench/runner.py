@@ -23,7 +23,7 @@ from kvtool.pair.ready import ReadyFile
 from kvtool.client import complete
 from kvtool.prometheus import total
 from kvtool.errors import ServerError, UserError
-from kvtool.pair.procs import http_ok
+from kvtool.procs import http_ok
 from kvtool.verify import compare_answers
 
 from .config import TOP_LOGPROBS, BenchConfig

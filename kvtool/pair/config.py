@@ -19,7 +19,7 @@ from connector.config import HA_PREFIX, KVToolConfig, divergence_grid
 from connector.config import master_endpoints as connector_master_endpoints
 from kvtool.errors import UserError
 from kvtool.pair import profiles
-from kvtool.pair.procs import LOOPBACK
+from kvtool.procs import LOOPBACK
 from kvtool.pair.profiles import ConnectorChoice, ConnectorProfile
 
 StoreChoice = Literal["embedded", "standalone"]

@@ -12,7 +12,7 @@ from typing import Any
 from connector.config import KV_BOTH, KV_CONSUMER, KV_PRODUCER
 from kvtool.pair import profiles
 from kvtool.pair.config import MiB, REPO_ROOT, Role, ServePairConfig
-from kvtool.pair.procs import LOOPBACK
+from kvtool.procs import LOOPBACK
 from kvtool.pair.profiles import TransferSettings
 from kvtool.store.mooncake import mooncake_config_path
 

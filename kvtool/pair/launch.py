@@ -18,7 +18,7 @@ from kvtool.pair.config import FLEET_PREFIX, REPO_ROOT, Reporter, ServePairConfi
 from kvtool.pair.engines import engine_argv, engine_env
 from kvtool.pair.members import FleetMembers, supervise_engines
 from kvtool.pair.preflight import preflight
-from kvtool.pair.procs import LOOPBACK, ManagedProcess, ProcessDied, ProcessSet, ReadinessCheck
+from kvtool.procs import LOOPBACK, ManagedProcess, ProcessDied, ProcessSet, ReadinessCheck
 from kvtool.pair.ready import ReadyFile, ReadyFileWriter, admin_url_for, ready_info
 from kvtool.pair.warmup import warm_fleet
 from kvtool.pair.router import ROUTER_LABEL, router_argv, router_binary, router_readiness

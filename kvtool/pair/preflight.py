@@ -6,7 +6,7 @@ import importlib.metadata
 
 from kvtool.errors import UserError
 from kvtool.pair.config import CPU_BLOCK_MULTIPLE, HA_PREFIX, ServePairConfig, master_endpoints
-from kvtool.pair.procs import ensure_port_free, tcp_port_open
+from kvtool.procs import ensure_port_free, tcp_port_open
 from kvtool.pair.router import router_binary
 from kvtool.store.mooncake import find_binary, lmcache_binary
 

@@ -19,7 +19,7 @@ import httpx
 from kvtool import web
 from kvtool.errors import UserError
 from kvtool.pair.config import ServePairConfig
-from kvtool.pair.procs import LOOPBACK, ReadinessCheck
+from kvtool.procs import LOOPBACK, ReadinessCheck
 
 ROUTER_LABEL = "vLLM's router (vllm-router)"
 HEALTH_INTERVAL_S = 1  # the router's health checks of each engine

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Literal
 
 from kvtool.errors import UserError
-from kvtool.pair.procs import ManagedProcess, ProcessSet, kill_now
+from kvtool.procs import ManagedProcess, ProcessSet, kill_now
 
 Reporter = Callable[[str], None]
 Clock = Callable[[], float]

@@ -2,7 +2,7 @@
 
 What the tests and the benchmarks run (serve-pair starts its master through ``kvtool.pair.launch``,
 supervised, on the ports it is configured with). Started, waited for and stopped as every process
-kvtool starts is (``kvtool.pair.procs``). Everything binds 127.0.0.1.
+kvtool starts is (``kvtool.procs``). Everything binds 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from kvtool.errors import ServerError
 from kvtool.store.admin import open_admin
-from kvtool.pair.procs import LOOPBACK, ManagedProcess, ProcessSet, ReadinessCheck, find_free_port
+from kvtool.procs import LOOPBACK, ManagedProcess, ProcessSet, ReadinessCheck, find_free_port
 from kvtool.store.mooncake import find_binary, master_argv, mooncake_env
 
 

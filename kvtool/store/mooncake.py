@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvtool.errors import UserError
-from kvtool.pair.procs import LOOPBACK
+from kvtool.procs import LOOPBACK
 
 if TYPE_CHECKING:
     from kvtool.pair.config import ServePairConfig

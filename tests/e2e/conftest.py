@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from kvtool.pair.procs import find_free_port, log_tail
+from kvtool.procs import find_free_port, log_tail
 from kvtool.pair.ready import read_ready_file
 
 from .pairtools import PairMaster

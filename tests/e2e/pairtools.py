@@ -18,7 +18,7 @@ from connector.store.store import PutOutcome, StoreError, TimedStore, open_store
 from kvtool import prometheus
 from kvtool.store.admin import metrics_text, open_admin, wait_for_key
 from kvtool.client import complete
-from kvtool.pair.procs import http_ok
+from kvtool.procs import http_ok
 from kvtool.verify import compare_answers
 
 TOLERANCE = 1e-3  # max |logprob difference| against a full recomputation

@@ -40,7 +40,7 @@ def test_bench_on_the_pair_reaches_the_ideal_with_tail_hits(pair, tmp_path):
 
 def launch_argv(tmp_path: Path, results: Path, *extra: str) -> list[str]:
     """`kvtool bench --launch` on the embedded default, small, on free ports."""
-    from kvtool.pair.procs import find_free_port
+    from kvtool.procs import find_free_port
 
     argv = [sys.executable, "-m", "kvtool.cli", "bench", "--launch", "--json", str(results), *extra]
     argv += ["--requests", "3", "--max-tokens", "3", "--enforce-eager", "--log-dir", str(tmp_path / "logs")]
@@ -64,7 +64,7 @@ def test_an_interleaved_compare_runs_every_pair_at_once_and_stops_them_all(tmp_p
     """`--compare kvtool,none --interleave`: both pairs up together on ports of their own, every step
     sent to each in turn; the kvtool pair reaches the ideal with exact answers, and nothing is left
     listening once the bench ends."""
-    from kvtool.pair.procs import tcp_port_open
+    from kvtool.procs import tcp_port_open
 
     results = tmp_path / "interleaved.json"
     argv = launch_argv(tmp_path, results, "--compare", "kvtool,none", "--interleave", "--quiet-s", "0")

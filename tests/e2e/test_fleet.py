@@ -20,7 +20,7 @@ import pytest
 
 from kvtool import prometheus
 from kvtool.client import complete
-from kvtool.pair.procs import find_free_port
+from kvtool.procs import find_free_port
 from kvtool.pair.router import RouterWorkers
 from kvtool.pair.ready import read_ready_file
 from kvtool.store.admin import open_admin, wait_for_key

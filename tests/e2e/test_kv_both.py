@@ -27,7 +27,7 @@ from connector.core.objects import HEADER_SIZE
 from connector.core.prefix import PromptKeys, plan_save
 from connector.store.store import open_store
 from kvtool.client import complete
-from kvtool.pair.procs import find_free_port, log_tail
+from kvtool.procs import find_free_port, log_tail
 
 from .pairtools import HitDetails, consume, hit_details, produce, prompt, wait_save_ended
 

@@ -16,7 +16,7 @@ import pytest
 from kvtool.model import ensure_default_model
 from kvtool.pair.config import ServePairConfig
 from kvtool.pair.engines import engine_argv, engine_env
-from kvtool.pair.procs import LOOPBACK, ManagedProcess, ProcessSet, ReadinessCheck
+from kvtool.procs import LOOPBACK, ManagedProcess, ProcessSet, ReadinessCheck
 from kvtool.store.mooncake import find_binary, master_argv, mooncake_env, standalone_store_argv
 from tests.netns import Lab, can_make_namespaces
 

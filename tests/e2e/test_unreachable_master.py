@@ -24,7 +24,7 @@ import pytest
 
 from kvtool.client import complete, wait_healthy
 from kvtool.model import ensure_default_model
-from kvtool.pair.procs import find_free_port
+from kvtool.procs import find_free_port
 from kvtool.store.admin import open_admin
 from kvtool.store.master import LocalMaster
 

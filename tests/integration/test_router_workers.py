@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvtool.pair.procs import LOOPBACK, ProcessSet, ReadinessCheck, find_free_port
+from kvtool.procs import LOOPBACK, ProcessSet, ReadinessCheck, find_free_port
 from kvtool.pair.router import RouterWorkers, router_binary
 
 

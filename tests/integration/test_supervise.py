@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvtool.pair.launch import run_pair
-from kvtool.pair.procs import ProcessDied, ProcessSet, ReadinessCheck, find_free_port, http_ok, tcp_port_open
+from kvtool.procs import ProcessDied, ProcessSet, ReadinessCheck, find_free_port, http_ok, tcp_port_open
 from kvtool.pair.config import ServePairConfig
 from kvtool.pair.ready import ReadyFile
 from kvtool.store.mooncake import find_binary, master_argv, mooncake_env

@@ -24,7 +24,7 @@ from kvtool.bench.runner import (
 from kvtool.cli import app
 from kvtool.pair.ready import read_ready_file
 from kvtool.errors import UserError
-from kvtool.pair.procs import find_free_port
+from kvtool.procs import find_free_port
 
 SUMMARY_FIELDS = {
     "requests",

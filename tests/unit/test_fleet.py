@@ -13,7 +13,7 @@ from kvtool.errors import UserError
 from kvtool.pair.engines import engine_argv, engine_cpus, engine_env, kv_role_for, kv_transfer_config
 from kvtool.pair.launch import _engine_left_fleet
 from kvtool.pair.preflight import check_values
-from kvtool.pair.procs import ProcessSet
+from kvtool.procs import ProcessSet
 from kvtool.pair.ready import ready_info
 from kvtool.pair.router import router_argv
 

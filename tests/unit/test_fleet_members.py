@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvtool.pair.members import FleetMembers, engine_policy, supervise_engines
-from kvtool.pair.procs import ProcessSet
+from kvtool.procs import ProcessSet
 from kvtool.pair.ready import ready_info
 from kvtool.pair.supervise import Supervisor
 

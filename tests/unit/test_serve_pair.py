@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtool.pair import procs
+from kvtool import procs
 from kvtool.errors import UserError
 from kvtool.files import write_json_atomically
 from kvtool.pair.config import ServePairConfig

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from kvtool.cli import app
 from kvtool.errors import UserError
-from kvtool.pair import procs
+from kvtool import procs
 
 runner = CliRunner()
 

@@ -86,7 +86,7 @@ def test_the_connector_takes_an_ha_group_and_fails_closed_when_no_endpoint_answe
     from connector.calls import StoreError
     from connector.config import load_config
     from connector.store.mooncake import _check_reachable
-    from kvtool.pair.procs import find_free_port
+    from kvtool.procs import find_free_port
 
     config = load_config({"mooncake": {"master_server_address": "etcd://127.0.0.1:2379;127.0.0.1:2479"}})
     assert config.mooncake.master_server_address.startswith("etcd://")

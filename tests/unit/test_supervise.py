@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from kvtool.pair.launch import ReadyFileWriter
 from kvtool.pair.ready import ReadyFile
-from kvtool.pair.procs import ProcessSet
+from kvtool.procs import ProcessSet
 from kvtool.pair.supervise import Backoff, Decision, Policy, RestartTracker, Supervisor, Watch
 
 POLICY = Policy(

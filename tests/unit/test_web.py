@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from kvtool import web
-from kvtool.pair.procs import ReadinessCheck
+from kvtool.procs import ReadinessCheck
 from kvtool.store.admin import open_admin
 
 from .fake_admin import fake_admin
