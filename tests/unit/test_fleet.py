@@ -236,3 +236,12 @@ def test_an_engine_rejoining_is_warmed_up_both_ways_with_each_engine_serving_and
     assert not any(engines.stalls.values())
     assert said[0] == "warming engine-1 up with the 2 engine(s) serving (4 pairs)"
     assert warm_engine(cfg, "engine-1", [], said.append, ask=engines) == set()  # alone: nothing to warm
+
+
+def test_a_cpu_engine_starts_without_aot_compile_unless_the_operator_set_it(tmp_path, monkeypatch):
+    monkeypatch.setattr("kvtool.pair.engines.is_cpu_vllm", lambda: True)
+    cfg = fleet(tmp_path)
+    assert engine_env(cfg, "engine-0", base={})["VLLM_USE_AOT_COMPILE"] == "0"
+    assert engine_env(cfg, "engine-0", base={"VLLM_USE_AOT_COMPILE": "1"})["VLLM_USE_AOT_COMPILE"] == "1"
+    monkeypatch.setattr("kvtool.pair.engines.is_cpu_vllm", lambda: False)
+    assert "VLLM_USE_AOT_COMPILE" not in engine_env(cfg, "engine-0", base={})

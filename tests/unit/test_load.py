@@ -151,6 +151,35 @@ def test_a_failed_request_ends_its_session_not_the_run(monkeypatch):
     assert len(run.records) == 2 and all(r.error and "503" in r.error for r in run.records)
 
 
+def test_ctrl_c_stops_the_run_no_session_sends_again(monkeypatch):
+    import threading
+
+    server = ScriptedServer()
+    monkeypatch.setattr("kvtool.load.runner.complete", server)
+    plans = plan_sessions(shape(think_s=0.0, sessions=4, max_prompt_tokens=600, session_rate=1.0))
+    started = threading.Event()
+
+    def sleep(seconds: float) -> None:
+        if threading.current_thread() is threading.main_thread() and seconds > 0:
+            assert started.wait(10)  # the first session has sent its first turn
+            raise KeyboardInterrupt  # Ctrl-C while waiting for the next arrival
+
+    monkeypatch.setattr(server, "_answer", _answer_after(server._answer, started))
+    runner = LoadRunner(LoadTarget("http://r", "m", BLOCK, 1), 1, deadline_s=60, check_every=0, sleep=sleep)
+    with pytest.raises(KeyboardInterrupt):
+        runner.run(plans)
+    assert 1 <= len(server.prompts) < sum(len(plan.turns) for plan in plans)  # it stopped: no other session started
+    assert {tuple(p[:8]) for p in server.prompts} == {tuple(plans[0].turns[0].message[:8])}  # only the first
+
+
+def _answer_after(answer, started):
+    def answered(*args, **kwargs):
+        started.set()
+        return answer(*args, **kwargs)
+
+    return answered
+
+
 @pytest.mark.parametrize(
     ("overrides", "says"),
     [

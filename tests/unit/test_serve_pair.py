@@ -288,14 +288,14 @@ def test_preflight_rejects_duplicate_ports(tmp_path, model_dir):
 
 
 def test_preflight_rejects_block_size_the_cpu_backend_refuses(tmp_path, model_dir, monkeypatch):
-    monkeypatch.setattr("kvtool.pair.preflight._is_cpu_vllm", lambda: True)
+    monkeypatch.setattr("kvtool.pair.preflight.is_cpu_vllm", lambda: True)
     with pytest.raises(UserError, match="multiple of 32"):
         preflight(make_config(tmp_path, model_dir, block_size=16))
 
 
 @pytest.mark.parametrize("gib", [0.25, 1.5, 0])
 def test_preflight_rejects_a_kv_cache_the_cpu_backend_cannot_take(tmp_path, model_dir, monkeypatch, gib):
-    monkeypatch.setattr("kvtool.pair.preflight._is_cpu_vllm", lambda: True)
+    monkeypatch.setattr("kvtool.pair.preflight.is_cpu_vllm", lambda: True)
     with pytest.raises(UserError, match=f"--kv-cache-gib {gib:g} cannot be given to vLLM's CPU backend"):
         preflight(make_config(tmp_path, model_dir, kv_cache_gib=gib))
 
