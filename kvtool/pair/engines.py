@@ -178,7 +178,7 @@ def engine_env(cfg: ServePairConfig, role: Role, base: dict[str, str] | None = N
         # vLLM 0.32 CPU saves an AOT-compiled model it cannot load back ("'function' object has no
         # attribute 'finalize_loading'"): every start compiled again, 40 s quiet and over 4 minutes for a
         # fleet engine restarting under load. Without AOT its inductor cache is read back: a start took
-        # 32 s instead of 71 (ENVIRONMENT.md). An operator's own setting wins.
+        # 32 s instead of 71 (README, known issues). An operator's own setting wins.
         env.setdefault("VLLM_USE_AOT_COMPILE", "0")
     if cfg.starts_lmcache:
         env["PYTHONHASHSEED"] = "0"  # LMCache keys chunks by Python's hash(): both engines must agree
