@@ -7,14 +7,13 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-import pytest
 
 from kvtool.pair.members import FleetMembers, engine_policy, supervise_engines
-from kvtool.procs import ProcessSet
 from kvtool.pair.ready import ready_info
 from kvtool.pair.supervise import Supervisor
 
 from .test_fleet import fleet
+from .test_supervise import ScriptedCheck
 
 
 class ScriptedRouter:
@@ -121,27 +120,9 @@ def test_an_engine_is_given_its_start_up_time_and_a_minute_of_failed_checks(tmp_
     assert policy.backoff.delay(1) == 2.0 and policy.backoff.delay(10) == 60.0
 
 
-class HealthyWhen:
-    def __init__(self) -> None:
-        self.healthy = True
-
-    def passes(self) -> bool:
-        return self.healthy
-
-    def describe(self) -> str:
-        return "scripted"
-
-
-@pytest.fixture
-def processes(tmp_path):
-    procs = ProcessSet(tmp_path / "logs")
-    yield procs
-    procs.stop_all(grace_s=1)
-
-
 def test_the_supervisor_tells_the_members_of_an_engines_death_and_recovery(processes, tmp_path, monkeypatch):
     cfg = fleet(tmp_path)
-    checks = {name: HealthyWhen() for name in cfg.engine_names}
+    checks = {name: ScriptedCheck() for name in cfg.engine_names}
     for name in cfg.engine_names:
         processes.start(name, ["sleep", "60"], readiness=checks[name])  # type: ignore[arg-type]
     clock = [100.0]

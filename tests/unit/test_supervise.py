@@ -206,13 +206,6 @@ class FakeClock:
         return self.now
 
 
-@pytest.fixture
-def processes(tmp_path):
-    procs = ProcessSet(tmp_path / "logs")
-    yield procs
-    procs.stop_all(grace_s=1)
-
-
 def supervised(processes: ProcessSet, tmp_path: Path, argv: list[str]):
     check, clock, messages, restarted = ScriptedCheck(), FakeClock(), [], []
     processes.start("master", argv, readiness=check)  # type: ignore[arg-type]
