@@ -209,18 +209,40 @@ class _Lookup:
     settled: list[_Settled]
     sparse_at: list[int | None]
 
-    def past_pointers(self) -> list[list[ObjectRef]]:
-        """Each prompt's tails past the last pointer found in its sparse block (``past_pointer_ends``),
-        added to its candidates."""
-        refs = []
+    def past_pointer_ends(self) -> list[list[int]]:
+        """Each prompt's tail ends past the last pointer found in its sparse block (``past_pointer_ends``)
+        and past what is found already (a repeated prompt: its own tail); no key is made yet."""
+        pending = []
         for index, (keys, block) in enumerate(zip(self.prompts, self.sparse_at, strict=True)):
             ends = [] if block is None else past_pointer_ends(keys, block, self.known[index], self.candidates[index])
-            if ends:  # only past what is found already (a repeated prompt: its own tail)
+            if ends:
                 reached = _longest(keys, self.candidates[index], self.known[index])[0]
                 ends = [end for end in ends if end > reached]
-            self.candidates[index] = sorted({*self.candidates[index], *ends}) if ends else self.candidates[index]
+            pending.append(ends)
+        return pending
+
+    def past_pointers(self, pending: list[list[int]], beyond: Sequence[int]) -> list[list[ObjectRef]]:
+        """The refs of each prompt's ``pending`` ends past ``beyond`` (how far the pointers just read go
+        along it: a tail short of that adds nothing), added to its candidates."""
+        refs = []
+        for index, (keys, ends) in enumerate(zip(self.prompts, pending, strict=True)):
+            ends = [end for end in ends if end > beyond[index]]
+            if ends:
+                self.candidates[index] = sorted({*self.candidates[index], *ends})
             refs.append(keys.probe_refs(ends, blocks=False))
         return refs
+
+    def pointer_reach(self, asked: list[tuple[int, ObjectRef]], named: list[tuple[ObjectRef, int] | None]) -> list[int]:
+        """How far the pointers just read go along each prompt inside its sparse block, in every group
+        (0 where a group read none there): a tail of that block ending short of it adds nothing."""
+        reach: list[dict[int, int]] = [{} for _ in self.prompts]
+        for (index, ref), found in zip(asked, named, strict=True):
+            if found is not None and ref.block_index == self.sparse_at[index]:
+                reach[index][ref.group] = max(reach[index].get(ref.group, 0), found[1])
+        return [
+            min((groups.get(group.index, 0) for group in keys.groups), default=0)
+            for keys, groups in zip(self.prompts, reach, strict=True)
+        ]
 
     def add_found(self, refs: list[list[ObjectRef]], found: set[str]) -> None:
         for index, asked in enumerate(refs):
@@ -235,15 +257,14 @@ def _settle_pointers(lookup: _Lookup, exists: ExistsFn, read: ReadFn) -> int:
     Returns the store calls made. Updates ``lookup.known`` (drops bad pointers, adds the tails found),
     ``lookup.candidates`` and ``lookup.settled`` in place."""
     prompts, known, settled = lookup.prompts, lookup.known, lookup.settled
-    extra = lookup.past_pointers()
-    extra_keys = list(dict.fromkeys(ref.key for refs in extra for ref in refs))
+    pending = lookup.past_pointer_ends()
     calls = 0
-    for _ in range(POINTER_ROUNDS):
+    for round_ in range(POINTER_ROUNDS):
         asked: list[tuple[int, ObjectRef]] = []
         for index, (keys, ends) in enumerate(zip(prompts, lookup.candidates, strict=True)):
             hit = _longest(keys, ends, known[index])[1]
             asked += [(index, ref) for ref in _wanted(keys, hit, known[index], settled[index])]
-        if not asked and not extra_keys:
+        if not asked and not any(pending):
             return calls  # every pointer a hit relies on is settled
         try:
             calls += bool(asked)
@@ -252,6 +273,10 @@ def _settle_pointers(lookup: _Lookup, exists: ExistsFn, read: ReadFn) -> int:
                 _named(prompts[index], ref, record) if record else None
                 for (index, ref), record in zip(asked, records, strict=True)
             ]
+            # After the first round, what is pending was left out for a pointer since dropped: all asked.
+            beyond = lookup.pointer_reach(asked, named) if not round_ else [0] * len(prompts)
+            extra = lookup.past_pointers(pending, beyond)
+            extra_keys = list(dict.fromkeys(ref.key for refs in extra for ref in refs))
             targets = [found[0].key for found in named if found is not None]
             calls += bool(targets or extra_keys)
             answers = exists(targets + extra_keys) if targets or extra_keys else []
@@ -260,12 +285,14 @@ def _settle_pointers(lookup: _Lookup, exists: ExistsFn, read: ReadFn) -> int:
                 settled[index].unread = True
             break  # a pointer read or check failed: no hit relies on a pointer not settled (below)
         lookup.add_found(extra, {key for key, there in zip(extra_keys, answers[len(targets) :], strict=True) if there})
-        extra_keys, stored = [], iter(answers[: len(targets)])
+        stored, dropped = iter(answers[: len(targets)]), set()
         for (index, ref), found in zip(asked, named, strict=True):
             if found is not None and next(stored):
                 settled[index].targets[ref.key], settled[index].reach[ref.key] = found
             else:
-                known[index] = known[index] - {ref.key}
+                known[index], dropped = known[index] - {ref.key}, dropped | {index}
+        # The tails left out for a reach that a dropped pointer (its object evicted) may have claimed.
+        pending = [[e for e in ends if e <= beyond[i]] if i in dropped else [] for i, ends in enumerate(pending)]
     # Unsettled after the last round, or a failed read: no hit relies on a pointer not settled.
     for index in range(len(prompts)):
         known[index] = frozenset(key for key in known[index] if key in settled[index].targets or not _is_pointer(key))

@@ -140,3 +140,49 @@ def test_a_repeated_prompt_ending_inside_a_sparse_block_is_one_query():
     store.publish(BASE[:700], 256, 64)
     _, (stored,) = lookup(store, [BASE[:700]], 256, 64, sparse_min=probes.SPARSE_BLOCK_MIN)
     assert stored.hit_tokens == 699 and stored.queries == 1 and len(store.asked) == 1
+
+
+class QueryLog(CountingStore):
+    """Keeps every existence query's keys."""
+
+    def __init__(self):
+        super().__init__()
+        self.queries: list[list[str]] = []
+
+    def exists(self, keys):
+        self.queries.append(list(keys))
+        return super().exists(keys)
+
+
+def tail_ends(keys):
+    return sorted(d.end_token for key in keys if (d := decode_key(key)).kind is KeyKind.TAIL)
+
+
+def test_the_tails_past_a_pointer_start_where_the_pointer_read_stops_along_the_prompt():
+    """The pointer at 640 names the stored prompt's tail (700), whose token ids go along the prompt to
+    700: of the tails between that pointer and the next grid point (641-703), only those past 700 are
+    asked (beside the target itself): a tail ending before where the pointer reaches adds nothing."""
+    store = QueryLog()
+    store.publish(BASE[:700], 256, 64)
+    prompt = BASE[:700] + list(range(20000, 20300))
+    _, (found,) = lookup(store, [prompt], 256, 64, sparse_min=probes.SPARSE_BLOCK_MIN)
+    assert found.hit_tokens == 700
+    asked = tail_ends(store.queries[-1])  # with the pointer's target: the stored tail at 700
+    assert [end for end in asked if 640 < end < 704] == [700, 701, 702, 703]
+
+
+def test_tails_left_out_for_an_evicted_pointer_target_are_asked_in_the_next_round():
+    """A later prompt took the pointer at 640 over (it shares this one to 670 and leaves it); its object
+    is evicted, so that pointer is dropped after the round that read it. The tails it made the lookup
+    leave out (641-670) are asked in the next round, which finds the older stored prompt ending at 650:
+    the hit every candidate finds."""
+    store = QueryLog()
+    store.publish(BASE[:650], 256, 64)
+    newer = BASE[:670] + list(range(40000, 40030))
+    store.publish(newer, 256, 64)
+    newer_tail = next(ref.key for ref in plan_save(keys_for(newer, 256, 64)) if ref.kind is KeyKind.TAIL)
+    del store.objects[newer_tail]
+    prompt = BASE[:700] + list(range(20000, 20300))
+    _, (every,) = lookup(store, [prompt], 256, 64, sparse_min=10**6)
+    _, (sparse,) = lookup(store, [prompt], 256, 64, sparse_min=probes.SPARSE_BLOCK_MIN)
+    assert sparse.hit_tokens == every.hit_tokens == 650
