@@ -1,11 +1,9 @@
 """The connector's configuration: one typed, validated object built from ``kv_connector_extra_config``.
 
-A store backend's settings live in its own section (``mooncake``: ``MooncakeSettings``); the same
-fields at the top level, as every config before the section wrote them, are still accepted and moved
-there. Mooncake settings come from the extra config, or from a Mooncake JSON file named by
-``mooncake_config_path``; fields given in the extra config win over the file. The ``MOONCAKE_CONFIG_PATH``
-environment variable is read only where the extra config leaves the store's settings to it (neither
-``mooncake_config_path`` nor a master address): a stale one never stops an engine whose config is whole.
+The store backend's settings are its own section, named after it and typed by it
+(``store.backends.BACKENDS``: ``config.backend``); the same fields at the top level, as every config
+before the section wrote them, are still accepted and moved there, and the backend's own options
+(a settings file) are read by the backend (``Backend.read_settings``).
 
 Every setting is checked where it is read, with exact types (``true`` is no number, ``"2"`` no
 timeout): a bad one is one sentence naming the field, its value and what it accepts (``bad_value``).
@@ -17,171 +15,91 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
-from pathlib import Path
 from typing import Any, Literal, get_args
 
 from annotated_types import Ge, Gt, MinLen
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 from pydantic.fields import FieldInfo
 from pydantic_core import ErrorDetails
 
-_MOONCAKE_FIELDS = (
-    "local_hostname",
-    "metadata_server",
-    "master_server_address",
-    "global_segment_size",
-    "local_buffer_size",
-    "protocol",
-    "device_name",
-    "prefault_segment",
-)
-
+from .configerrors import ConfigError, bad_value
+from .store.backends import BACKENDS, DEFAULT_BACKEND, BackendSettings
 
 logger = logging.getLogger("vllm.kvtool")
 
 
-class ConfigError(ValueError):
-    """A bad connector configuration; the message names the field, its value and what it accepts."""
-
-    @classmethod
-    def of(cls, *problems: str) -> ConfigError:
-        return cls("kvtool connector config: " + "; ".join(problems))
-
-
-def bad_value(field: str, value: Any, accepts: str, *, kind: str = "field") -> str:
-    """One bad setting as every check says it, the value as the config's JSON writes it: ``field
-    'hash_unit' is true; it should be a whole number above 0``."""
-    try:
-        shown = json.dumps(value)
-    except (TypeError, ValueError):
-        shown = repr(value)
-    shown = shown if len(shown) <= 80 else shown[:77] + "..."
-    return f"{kind} {field!r} is {shown}; {accepts}"
-
-
 EXTEND_MIN_TOKENS = 16  # extend_min_tokens' default
-
-
-HA_PREFIX = "etcd://"  # a master group in high-availability mode, named by its etcd endpoints
-
-
-def master_endpoints(address: str) -> list[tuple[str, int]]:
-    """Where to reach a master: its RPC ``host:port``, or each etcd endpoint of a high-availability group
-    (``etcd://host:port;host:port``). Raises ValueError saying what it accepts."""
-    parts = address.removeprefix(HA_PREFIX).split(";") if address.startswith(HA_PREFIX) else [address]
-    endpoints = []
-    for part in parts:
-        host, sep, port = part.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(
-                "is not HOST:PORT or etcd://HOST:PORT[;HOST:PORT] (an HA group); give it like 127.0.0.1:50051"
-            )
-        endpoints.append((host, int(port)))
-    return endpoints
-
-
-_SIZE_UNITS = {"": 1, "b": 1, "kb": 1 << 10, "mb": 1 << 20, "gb": 1 << 30, "tb": 1 << 40}
-
-
-def parse_size(value: Any) -> int:
-    """Bytes from a whole number or a size string as Mooncake's files write them ("4GB", "512 MB", "1.5gb";
-    binary units: a KB is 1024 bytes). Raises ValueError naming what it accepts."""
-    if isinstance(value, bool):
-        raise ValueError("must be a number of bytes or a size such as 4GB")
-    if isinstance(value, int):
-        return value
-    if isinstance(value, str):
-        text = value.strip().lower().replace(" ", "").removesuffix("ib").removesuffix("b")
-        number = text.rstrip("kmgt")
-        unit = (text[len(number) :] + "b") if text[len(number) :] else ""
-        try:
-            size = float(number) * _SIZE_UNITS[unit]
-        except (KeyError, ValueError):
-            size = -1.0
-        if 0 <= size < float("inf"):  # neither negative, nor nan, nor inf ("infGB")
-            return int(size)
-    raise ValueError(f"{value!r} is not a size; give bytes or a size such as 4GB, 512MB")
-
-
-class MooncakeSettings(BaseModel):
-    """The Mooncake store client's settings: the ``mooncake`` section of the connector config (the same
-    fields at the top level are still accepted and moved here)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
-    master_server_address: str = Field(description="host:port of the mooncake_master RPC")
-    metadata_server: str = Field(default="P2PHANDSHAKE", min_length=1)
-    local_hostname: str = Field(default="127.0.0.1", min_length=1)
-    protocol: Literal["tcp", "rdma"] = "tcp"
-    device_name: str = ""
-    global_segment_size: int = Field(default=256 << 20, ge=0, description="bytes this engine lends the store")
-    local_buffer_size: int = Field(default=64 << 20, gt=0, description="client transfer buffer, bytes")
-    prefault_segment: bool = Field(
-        default=True,
-        description="fault the lent segment's pages in at start-up, on a background thread, so that puts into "
-        "it copy instead of faulting (connector/segment.py); the segment is then resident from the start",
-    )
-
-    @field_validator("master_server_address")
-    @classmethod
-    def _host_port(cls, value: str) -> str:
-        """host:port of one master, or etcd://host:port[;host:port...] of a high-availability group."""
-        try:
-            master_endpoints(value)
-        except ValueError as exc:
-            raise ValueError(f"it {exc}") from None
-        return value
-
-    @field_validator("global_segment_size", "local_buffer_size", mode="before")
-    @classmethod
-    def _size(cls, value: Any) -> int:
-        try:
-            return parse_size(value)
-        except ValueError:
-            raise ValueError("it should be a number of bytes or a size such as 4GB or 512MB") from None
-
-
-MOONCAKE_FIELDS: tuple[str, ...] = tuple(MooncakeSettings.model_fields)
 
 
 class KVToolConfig(BaseModel):
     # Exact types (a bool is no number, "2" no timeout; an int is a float), finite numbers.
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
-    # The store: its backend (connector/store.py BACKENDS) and that backend's own section.
-    store_backend: Literal["mooncake"] = "mooncake"
-    mooncake: MooncakeSettings
+    # The store: its backend (``store.backends.BACKENDS``) and that backend's own section, given in the
+    # config under the backend's name (``"mooncake": {...}`` for the default).
+    store_backend: str = Field(default=DEFAULT_BACKEND, description="the store backend")
+    backend: BackendSettings  # type: ignore[valid-type]
 
     @model_validator(mode="before")
     @classmethod
-    def _flat_store_fields(cls, data: Any) -> Any:
-        """Mooncake's fields at the top level (every config before the ``mooncake`` section) go into it;
-        one given both ways with different values is refused."""
+    def _backend_section(cls, data: Any) -> Any:
+        """The backend's section, given under its name, becomes ``backend``; its fields at the top level
+        (every config before the section) go into it, and one given both ways with different values is
+        refused."""
         if not isinstance(data, dict):
             return data
+        if "backend" in data:  # the field is the section's type; a config names the section by its backend
+            raise ValueError(
+                f"unknown field 'backend' (the store's settings go in its backend's section, {_ACCEPTED_SECTIONS})"
+            )
+        name = data.get("store_backend", DEFAULT_BACKEND)
+        backend = BACKENDS.get(name) if isinstance(name, str) else None
+        if backend is None:  # no section to read: this alone is what is wrong
+            raise ValueError(bad_value("store_backend", name, _known_backends()))
         data = dict(data)
-        section = data.get("mooncake", {})
-        if not isinstance(section, dict | MooncakeSettings):
-            raise ValueError(bad_value("mooncake", section, f"it should be an object of {', '.join(MOONCAKE_FIELDS)}"))
-        section = dict(section.model_dump() if isinstance(section, MooncakeSettings) else section)
-        for name in _MOONCAKE_FIELDS:
+        section = data.pop(backend.name, {})
+        if not isinstance(section, dict | backend.settings):
+            accepts = f"it should be an object of {', '.join(backend.flat_fields)}"
+            raise ValueError(bad_value(backend.name, section, accepts))
+        section = dict(section.model_dump() if isinstance(section, BaseModel) else section)
+        for name in backend.flat_fields:
             if name in data:
                 value = data.pop(name)
                 if name in section and section[name] != value:
+                    given = json.dumps(section[name])
                     raise ValueError(
-                        bad_value(
-                            name, value, f"the mooncake section gives it as {json.dumps(section[name])}; give it once"
-                        )
+                        bad_value(name, value, f"the {backend.name} section gives it as {given}; give it once")
                     )
                 section[name] = value
-        data["mooncake"] = section
+        data["backend"] = section
         return data
 
-    def with_mooncake(self, **changes: Any) -> KVToolConfig:
-        """This config with some of the Mooncake section's fields changed."""
-        return self.model_copy(update={"mooncake": self.mooncake.model_copy(update=changes)})
+    @field_validator("store_backend")
+    @classmethod
+    def _known_backend(cls, value: str) -> str:
+        if value not in BACKENDS:
+            raise ValueError(_known_backends())
+        return value
+
+    @model_serializer(mode="wrap")
+    def _section_by_name(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """Written as a config gives it: the backend's section under the backend's name, in its place."""
+        data = handler(self)
+        return {(self.store_backend if key == "backend" else key): value for key, value in data.items()}
+
+    def with_backend(self, **changes: Any) -> KVToolConfig:
+        """This config with some of its backend section's fields changed."""
+        return self.model_copy(update={"backend": self.backend.model_copy(update=changes)})
 
     # Keys and hashing.
     hash_unit: int = Field(default=1, gt=0, description="tail boundary grid, tokens")
@@ -327,7 +245,11 @@ LOADING_ROLES = (KV_CONSUMER, KV_BOTH)  # a connector in these loads from the st
 SAVING_ROLES = (KV_PRODUCER, KV_BOTH)  # ... and in these saves to it
 
 
-MOONCAKE_CONFIG_ENV = "MOONCAKE_CONFIG_PATH"
+_ACCEPTED_SECTIONS = " or ".join(f'"{name}": {{...}}' for name in BACKENDS)
+
+
+def _known_backends() -> str:
+    return f"it should be one of {', '.join(json.dumps(name) for name in BACKENDS)}"
 
 
 def load_config(extra_config: dict[str, Any] | None) -> KVToolConfig:
@@ -336,64 +258,36 @@ def load_config(extra_config: dict[str, Any] | None) -> KVToolConfig:
         accepts = "it should be an object of the kvtool connector's fields"
         raise ConfigError.of(bad_value("kv_connector_extra_config", extra_config, accepts))
     raw = dict(extra_config or {})
-    from_file, source = _store_settings_file(raw)
-    section = raw.get("mooncake", {})
-    if from_file and isinstance(section, dict):  # the file's fields, under what the extra config gives
-        given = {**section, **{name: raw[name] for name in _MOONCAKE_FIELDS if name in raw}}
-        raw["mooncake"] = {**{k: v for k, v in from_file.items() if k not in given}, **section}
+    name = raw.get("store_backend", DEFAULT_BACKEND)
+    backend = BACKENDS.get(name) if isinstance(name, str) else None
+    source = backend.read_settings(raw) if backend is not None else "the extra config"
     try:
         config = KVToolConfig.model_validate(raw)
     except ValidationError as exc:
-        raise ConfigError.of(*(_problem(error) for error in exc.errors())) from None
+        section = backend.name if backend is not None else "backend"
+        raise ConfigError.of(*(_problem(error, section) for error in exc.errors())) from None
     logger.info("kvtool: the store's settings come from %s", source)
     return config
 
 
-def _store_settings_file(raw: dict[str, Any]) -> tuple[dict[str, Any], str]:
-    """The Mooncake fields of the file to read (popping ``mooncake_config_path`` from ``raw``), and
-    where the store's settings come from, said in the log. ``MOONCAKE_CONFIG_PATH`` is read only where
-    the extra config names no file and no master: then it leaves the store's settings to it."""
-    path = raw.pop("mooncake_config_path", None)
-    if path is not None:
-        if not isinstance(path, str) or not path:
-            accepts = "it should be the path of a Mooncake JSON file"
-            raise ConfigError.of(bad_value("mooncake_config_path", path, accepts))
-        source = f"the extra config, over the file {path} (mooncake_config_path)"
-        return _read_mooncake_file(path, "mooncake_config_path", "field"), source
-    section = raw.get("mooncake") or {}
-    names_master = "master_server_address" in raw or not isinstance(section, dict) or "master_server_address" in section
-    path = os.environ.get(MOONCAKE_CONFIG_ENV)
-    if names_master or not path:
-        return {}, "the extra config" + (f" ({MOONCAKE_CONFIG_ENV} {path} is not read)" if path else "")
-    source = f"the file {path} ({MOONCAKE_CONFIG_ENV}; fields in the extra config win)"
-    return _read_mooncake_file(path, MOONCAKE_CONFIG_ENV, "environment variable"), source
+# Every field by name, the backends' sections' too; what the top level accepts.
+_FIELDS = {
+    **KVToolConfig.model_fields,
+    **{name: info for backend in BACKENDS.values() for name, info in backend.settings.model_fields.items()},
+}
+_ACCEPTED = ", ".join(
+    sorted(
+        {*KVToolConfig.model_fields, *(n for b in BACKENDS.values() for n in (b.name, *b.flat_fields, *b.options))}
+        - {"backend"}
+    )
+)
 
 
-def _read_mooncake_file(path: str, name: str, kind: str) -> dict[str, Any]:
-    """The Mooncake fields of the JSON file ``path``, which the ``kind`` ``name`` gives."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except OSError as exc:
-        why = f"it should name a readable Mooncake JSON file ({exc.strerror or exc})"
-        raise ConfigError.of(bad_value(name, path, why, kind=kind)) from None
-    except ValueError as exc:
-        why = f"it should name a Mooncake JSON file (the file is not JSON: {exc})"
-        raise ConfigError.of(bad_value(name, path, why, kind=kind)) from None
-    fields = {field: data[field] for field in _MOONCAKE_FIELDS if field in data} if isinstance(data, dict) else {}
-    if not fields:
-        held = "no Mooncake field" if isinstance(data, dict) else f"a JSON {type(data).__name__}"
-        why = f"it should name a JSON object of {', '.join(_MOONCAKE_FIELDS)} (the file holds {held})"
-        raise ConfigError.of(bad_value(name, path, why, kind=kind))
-    return fields
-
-
-_FIELDS = {**KVToolConfig.model_fields, **MooncakeSettings.model_fields}  # by name, the section's too
-_ACCEPTED = ", ".join(sorted({*_FIELDS, "mooncake_config_path"} - {"mooncake"}))
-
-
-def _problem(error: ErrorDetails) -> str:
-    """One of pydantic's errors as one sentence: the field, its value and what it accepts."""
-    field = ".".join(str(part) for part in error["loc"])
+def _problem(error: ErrorDetails, section: str) -> str:
+    """One of pydantic's errors as one sentence: the field, its value and what it accepts; a field of
+    the backend's section named as the config writes it (``mooncake.protocol``)."""
+    loc = [section if index == 0 and part == "backend" else str(part) for index, part in enumerate(error["loc"])]
+    field = ".".join(loc)
     cause = error.get("ctx", {}).get("error")
     if not field:  # a check of the whole config, which says its sentence itself
         return str(cause or error["msg"])

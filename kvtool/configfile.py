@@ -20,7 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from connector.config import KV_ROLES, MOONCAKE_FIELDS, ConfigError, KVToolConfig, load_config, parse_size
+from connector.config import KV_ROLES, ConfigError, KVToolConfig, load_config
+from connector.store.mooncake_config import FIELDS as MOONCAKE_FIELDS
+from connector.store.mooncake_config import parse_size
 from kvtool.errors import UserError
 from kvtool.files import read_config_file
 from kvtool.pair.profiles import KVTOOL_CONNECTOR_CLASS, KVTOOL_CONNECTOR_MODULE

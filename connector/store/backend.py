@@ -1,14 +1,19 @@
-"""The store interface every backend implements (Mooncake in connector/mooncake.py) and every
-extra wraps (time-outs, the circuit breaker, fault injection). No imports of its own: backends and
-wrappers depend on it, never the other way (the staging types are named for type checks only)."""
+"""The store interface every backend implements and every extra wraps (time-outs, the circuit
+breaker, fault injection), and what a backend registers (``Backend``: its settings section, its
+client, its probe; ``backends.BACKENDS``). No imports of its own: backends and wrappers depend on
+it, never the other way (the staging types are named for type checks only; what a backend reads of
+the connector's config is ``StoreConfig``, so the config may know the backends without a circle)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from pydantic import BaseModel
+
     from .staging import Lease, Region
 
 
@@ -58,3 +63,36 @@ class KVStore(Protocol):
     def remove(self, key: str) -> int: ...
 
     def close(self) -> None: ...
+
+
+class StoreConfig(Protocol):
+    """What a backend reads of the connector's config (``config.KVToolConfig``): its own section and how
+    long a connection may take."""
+
+    @property
+    def backend(self) -> Any: ...
+
+    @property
+    def connect_timeout_s(self) -> float: ...
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A store backend as the connector knows it: one module builds it, one line registers it
+    (``backends.BACKENDS``). Nothing outside that module names the store it speaks to."""
+
+    name: str  # the config's ``store_backend`` and the name of the backend's own section in it
+    settings: type[BaseModel]  # that section's type: ``config.backend``
+    # Its fields as every config before the section gave them, at the top level (moved into the section),
+    # and the options that name where more of them are read (``load_config``).
+    flat_fields: tuple[str, ...]
+    options: tuple[str, ...]
+    # ``raw`` (the extra config, as given) with what those options name merged into the section, and
+    # the options popped; returns where the settings came from, for the log. Raises ``ConfigError``.
+    read_settings: Callable[[dict[str, Any]], str]
+    open: Callable[[StoreConfig], KVStore]  # the client (raises ``StoreError`` when unreachable)
+    # Whether a client can be set up, asked first where that may stall the caller: None, or why not.
+    probe: Callable[[StoreConfig], str | None] | None
+    describe: Callable[[Any], str]  # "the <store> at <where>", for logs and errors
+    lending_nothing: Callable[[Any], Any]  # the settings of a client that lends the store no memory
+    client_identity: Callable[[Any], tuple]  # settings a process's clients may share one client under

@@ -1,4 +1,5 @@
-"""The Mooncake backend of the store interface: ``mooncake.store.MooncakeDistributedStore``.
+"""The Mooncake backend of the store interface: ``mooncake.store.MooncakeDistributedStore``, and its
+registration (``BACKEND``: its settings section, ``mooncake_config``, its client, its probe).
 
 Plain calls to the client, turned into the interface's answers (existence flags, bytes or None,
 put outcomes). Time-outs, the bounded call threads, fault injection and the circuit breaker are not
@@ -18,8 +19,16 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from ..calls import BoundedCalls, StoreError
-from ..config import HA_PREFIX, KVToolConfig, master_endpoints
-from .backend import PutOutcome
+from .backend import Backend, PutOutcome, StoreConfig
+from .mooncake_config import (
+    CONFIG_PATH_OPTION,
+    FIELDS,
+    HA_PREFIX,
+    NAME,
+    MooncakeSettings,
+    master_endpoints,
+    read_settings,
+)
 from .segment import Prefault, new_region, prefault_in_background, read_maps
 
 if TYPE_CHECKING:
@@ -35,7 +44,7 @@ _NO_SPACE = -200
 SETUP_TRIES = 3
 
 
-def probe_limits(config: KVToolConfig) -> dict[str, str]:
+def probe_limits(config: StoreConfig) -> dict[str, str]:
     """Bounds on a probe client's master calls and tries (read from the environment as a client is set
     up), so that its setup ends within about ``connect_timeout_s``: at Mooncake's defaults a port that
     accepts connections but is no master held a setup 30 s a try, twenty tries. Only the probe's child
@@ -48,8 +57,9 @@ def probe_limits(config: KVToolConfig) -> dict[str, str]:
 class MooncakeStore:
     """``KVStore`` over ``mooncake.store.MooncakeDistributedStore``."""
 
-    def __init__(self, config: KVToolConfig):
+    def __init__(self, config: StoreConfig):
         self._config = config
+        self._settings: MooncakeSettings = config.backend  # this backend's own section of the config
         self.prefault: Prefault | None = None  # the lent segment's fault-in (``segment``), where it runs
         # Only the connection runs here under a time-out; every other call is bounded by TimedStore.
         self._setup = BoundedCalls("kvtool-connect", limit=1)
@@ -71,21 +81,21 @@ class MooncakeStore:
         # listens, so the master's port is asked first. A port that accepts and does not answer (a
         # frozen master, another service) still holds it, up to ten minutes: callers ask
         # ``probe_master`` first (an engine's start and its later tries, ``latestore``; ``kvtool inspect``).
-        _check_reachable(self._config.mooncake.master_server_address, self._config.connect_timeout_s)
+        _check_reachable(self._settings.master_server_address, self._config.connect_timeout_s)
         client = MooncakeDistributedStore()
-        segment_bytes = self._config.mooncake.global_segment_size
-        maps_before = read_maps() if self._config.mooncake.prefault_segment and segment_bytes else ""
+        segment_bytes = self._settings.global_segment_size
+        maps_before = read_maps() if self._settings.prefault_segment and segment_bytes else ""
         code = client.setup(
-            self._config.mooncake.local_hostname,
-            self._config.mooncake.metadata_server,
-            self._config.mooncake.global_segment_size,
-            self._config.mooncake.local_buffer_size,
-            self._config.mooncake.protocol,
-            self._config.mooncake.device_name,
-            self._config.mooncake.master_server_address,
+            self._settings.local_hostname,
+            self._settings.metadata_server,
+            self._settings.global_segment_size,
+            self._settings.local_buffer_size,
+            self._settings.protocol,
+            self._settings.device_name,
+            self._settings.master_server_address,
         )
         if code != 0:
-            raise StoreError(f"Mooncake setup returned {code} for master {self._config.mooncake.master_server_address}")
+            raise StoreError(f"Mooncake setup returned {code} for master {self._settings.master_server_address}")
         if maps_before:
             self._segment = new_region(maps_before, read_maps(), segment_bytes)
             if self._segment is None:
@@ -106,9 +116,7 @@ class MooncakeStore:
         if not keys:
             return []
         # The bytes API fails a batch larger than the client's transfer buffer: split it.
-        per_batch = (
-            max(1, (self._config.mooncake.local_buffer_size // 2) // object_bytes) if object_bytes else len(keys)
-        )
+        per_batch = max(1, (self._settings.local_buffer_size // 2) // object_bytes) if object_bytes else len(keys)
         batches = [list(keys[i : i + per_batch]) for i in range(0, len(keys), per_batch)]
         values = [value for batch in batches for value in self._client.get_batch(batch)]
         if len(values) != len(keys):
@@ -204,14 +212,14 @@ _PROBE_SETUP_FAILED = 3  # the child's setup returned an error: the master's ans
 _PROBE_START_S = 10.0  # the child's interpreter and the client library's start, on a busy host
 
 
-def probe_master(config: KVToolConfig) -> str | None:
+def probe_master(config: StoreConfig) -> str | None:
     """Whether a client set up in a child process reaches the master within ``connect_timeout_s``: None
     if it did, else why not. Its setup holds the child's GIL, never this process's (``latestore``).
 
     A probe that cannot judge (no child process, a child that cannot import the client library, a bug)
     is logged and answers None: the setup is then made as it was before probes, in the caller's
     process, rather than the engine going without its store for good."""
-    address = config.mooncake.master_server_address
+    address = config.backend.master_server_address
     try:
         _check_reachable(address, config.connect_timeout_s)  # nothing listening: no child needed
     except StoreError as exc:
@@ -221,7 +229,7 @@ def probe_master(config: KVToolConfig) -> str | None:
         # 5 to 30 s here after a group started: past any bound a probe could keep, so it is made here as
         # before (the etcd endpoint being a real one is what the group's operator controls).
         return None
-    mc = config.mooncake
+    mc = config.backend
     args = [mc.local_hostname, mc.metadata_server, 0, 1 << 20, mc.protocol, mc.device_name, address]  # lends nothing
     env = {**probe_limits(config), **os.environ}  # the operator's settings win
     try:
@@ -246,3 +254,22 @@ def probe_master(config: KVToolConfig) -> str | None:
             said[0][:300],
         )
     return None
+
+
+def _identity(settings: MooncakeSettings) -> tuple:
+    """One client per master, transport and lent segment: a process's sides with these in common share it."""
+    return (settings.master_server_address, settings.metadata_server, settings.protocol, settings.global_segment_size)
+
+
+BACKEND = Backend(
+    name=NAME,
+    settings=MooncakeSettings,
+    flat_fields=FIELDS,
+    options=(CONFIG_PATH_OPTION,),
+    read_settings=read_settings,
+    open=MooncakeStore,
+    probe=probe_master,
+    describe=lambda settings: f"the Mooncake store at {settings.master_server_address}",
+    lending_nothing=lambda settings: settings.model_copy(update={"global_segment_size": 0}),
+    client_identity=_identity,
+)

@@ -1,7 +1,7 @@
 """The one place a store stack is built: what the engine's two sides, ``kvtool inspect`` and the
 benchmarks use, from the backend up.
 
-From the bottom: the backend (``store.BACKENDS``, one client per process and configuration for the
+From the bottom: the backend (``backends.BACKENDS``, one client per process and configuration for the
 engine's sides), fault injection where a test asks for it, each key once per batch, time-outs
 (``store.open_store``); then, for an engine's side, the breaker (``breaker.GuardedStore``: a failing or
 slow store is skipped, its calls answered as misses) and the counters (``instrumented``). A backend
@@ -23,7 +23,8 @@ from .breaker import BreakerPolicy, CircuitBreaker, GuardedStore
 from ..config import KVToolConfig
 from .instrumented import InstrumentedStore
 from .latestore import LateStore
-from .store import CALL_THREADS, PROBES, KVStore, StoreError, TimedStore, open_store
+from .backends import BACKENDS
+from .store import CALL_THREADS, KVStore, StoreError, TimedStore, open_store
 
 logger = logging.getLogger("vllm.kvtool")
 
@@ -40,15 +41,20 @@ def breaker_policy(config: KVToolConfig) -> BreakerPolicy:
 
 
 def probe(config: KVToolConfig) -> str | None:
-    """The backend's own check that its client can be set up (``store.PROBES``): None, or why not."""
-    check = PROBES.get(config.store_backend)
+    """The backend's own check that its client can be set up (``Backend.probe``): None, or why not."""
+    check = BACKENDS[config.store_backend].probe
     return check(config) if check is not None else None
+
+
+def lending_nothing(config: KVToolConfig) -> KVToolConfig:
+    """``config`` for a client that lends the store no memory (a scheduler side, a tool)."""
+    return config.model_copy(update={"backend": BACKENDS[config.store_backend].lending_nothing(config.backend)})
 
 
 def open_reader(config: KVToolConfig) -> TimedStore:
     """A tool's store: probed first (a client's setup can stall its caller), lending nothing; a
     ``StoreError`` saying why when it cannot be reached."""
-    config = config.with_mooncake(global_segment_size=0)
+    config = lending_nothing(config)
     why = probe(config)
     if why is not None:
         raise StoreError(why)
@@ -64,7 +70,7 @@ def open_store_stack(
     if role == "reader":
         return open_reader(config)
     worker = role == "worker"
-    config = config if worker else config.with_mooncake(global_segment_size=0)  # only the worker lends
+    config = config if worker else lending_nothing(config)  # only the worker lends
     calls = WORKER_STORE_CALLS if worker else CALL_THREADS
     opener = partial(open_store, config, shared=True, call_threads=calls)
     checked = partial(probe, config)
@@ -75,14 +81,14 @@ def open_store_stack(
             raise StoreError(why)
         backend = opener()
     except StoreError as exc:
-        address = config.mooncake.master_server_address
+        what = BACKENDS[config.store_backend].describe(config.backend)
         logger.warning(
-            "kvtool: Mooncake store at %s is unavailable (%s); serving without the connector's help until "
-            "it answers (tried again in the background)",
-            address,
+            "kvtool: %s is unavailable (%s); serving without the connector's help until it answers (tried "
+            "again in the background)",
+            what,
             exc,
         )
-        backend = LateStore(opener, checked, what=f"the Mooncake store at {address}")
+        backend = LateStore(opener, checked, what=what)
     # A lookup answered slowly costs every request its latency: the scheduler side's calls count as
     # failed past slow_call_ms (the worker's loads and puts are sized by their objects, not judged so).
     slow_s = None if worker else config.slow_call_ms / 1000

@@ -2,11 +2,11 @@
 
 Batched existence, batched get, puts of immutable records, zero-copy batches of objects between the
 store and registered staging memory (``register``, ``get_into``, ``put_from``), remove, close. A backend
-(``mooncake.MooncakeStore``, chosen by the config's ``store_backend``) makes the calls; extras wrap
+(``backends.BACKENDS``, chosen by the config's ``store_backend``) makes the calls; extras wrap
 the interface: fault injection for tests (``faults.FaultyStore``), time-outs on a bounded set of
 threads (``TimedStore``: a slow or wedged store becomes a ``StoreError``, a miss to the caller, and
 calls that hang never pile up threads or a queue), no key twice in one batch
-(``uniquekeys.UniqueKeysStore``: the Mooncake client answers a repeated key wrong), and the circuit
+(``uniquekeys.UniqueKeysStore``: the default backend's client answers a repeated key wrong), and the circuit
 breaker (``breaker.GuardedStore``).
 
 ``open_store`` stacks them, from the bottom: the backend (``SharedStore``: the process's one client),
@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from ..calls import BoundedCalls, StoreError, result_of
 from .backend import KVStore, PutOutcome
+from .backends import BACKENDS
 from ..config import KVToolConfig
 from .uniquekeys import UniqueKeysStore
 
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-__all__ = ["BACKENDS", "PROBES", "KVStore", "PutOutcome", "SharedStore", "StoreError", "TimedStore", "open_store"]
+__all__ = ["KVStore", "PutOutcome", "SharedStore", "StoreError", "TimedStore", "open_store"]
 
 logger = logging.getLogger("vllm.kvtool")
 
@@ -119,25 +120,6 @@ class TimedStore:
         self._store.close()
 
 
-def _mooncake(config: KVToolConfig) -> KVStore:
-    from .mooncake import MooncakeStore
-
-    return MooncakeStore(config)
-
-
-def _mooncake_probe(config: KVToolConfig) -> str | None:
-    from .mooncake import probe_master
-
-    return probe_master(config)
-
-
-# Store backends by name (the config's ``store_backend``); a new backend is one module and one line here.
-BACKENDS: dict[str, Callable[[KVToolConfig], KVStore]] = {"mooncake": _mooncake}
-# Whether a backend's client can be set up, asked before setting it up where that may stall the caller
-# (None: it can, else why not); a backend without one is opened straight away.
-PROBES: dict[str, Callable[[KVToolConfig], str | None]] = {"mooncake": _mooncake_probe}
-
-
 def open_store(config: KVToolConfig, *, shared: bool = False, call_threads: int = CALL_THREADS) -> TimedStore:
     """The configured backend, with fault injection when a test configured it, each key once per
     batch, under time-outs (``call_threads`` calls at once).
@@ -146,7 +128,7 @@ def open_store(config: KVToolConfig, *, shared: bool = False, call_threads: int 
     the worker side in one process; they then share a client and its segment instead of lending the
     store memory twice). Raises ``StoreError`` when the backend cannot be reached.
     """
-    backend: KVStore = SharedStore(config) if shared else BACKENDS[config.store_backend](config)
+    backend: KVStore = SharedStore(config) if shared else BACKENDS[config.store_backend].open(config)
     if config.fault_control_file:
         from .faults import FaultyStore
 
@@ -194,17 +176,12 @@ class SharedStore(ForwardingStore):
     """A handle on the process's one backend client for a configuration."""
 
     def __init__(self, config: KVToolConfig):
-        self._id = (
-            config.store_backend,
-            config.mooncake.master_server_address,
-            config.mooncake.metadata_server,
-            config.mooncake.protocol,
-            config.mooncake.global_segment_size,
-        )
+        backend = BACKENDS[config.store_backend]
+        self._id = (backend.name, *backend.client_identity(config.backend))
         with _shared_lock:
             store, users = _shared.get(self._id, (None, 0))
             if store is None:
-                store = BACKENDS[config.store_backend](config)
+                store = backend.open(config)
             _shared[self._id] = (store, users + 1)
         self._store: KVStore | None = store
 

@@ -15,8 +15,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from connector.config import HA_PREFIX, KVToolConfig, divergence_grid
-from connector.config import master_endpoints as connector_master_endpoints
+from connector.config import KVToolConfig, divergence_grid
+from connector.store.mooncake_config import HA_PREFIX
+from connector.store.mooncake_config import master_endpoints as connector_master_endpoints
 from kvtool.errors import UserError
 from kvtool.pair import profiles
 from kvtool.procs import LOOPBACK

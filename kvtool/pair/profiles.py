@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from connector.config import MOONCAKE_FIELDS, KVToolConfig
+from connector.config import KVToolConfig
+from connector.store.mooncake_config import FIELDS as MOONCAKE_FIELDS
 
 KVTOOL_CONNECTOR_CLASS = "KVToolConnector"
 KVTOOL_CONNECTOR_MODULE = "connector.connector"

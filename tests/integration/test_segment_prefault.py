@@ -27,12 +27,12 @@ def test_the_lent_segment_is_faulted_in_and_keeps_what_is_stored(store_config):
         job = store.prefault
         assert job is not None, "the segment's mapping was not found"
         start, end = job.region
-        assert end - start >= store_config.mooncake.global_segment_size
+        assert end - start >= store_config.backend.global_segment_size
         values = {f"prefault/{i}": os.urandom(300_000) for i in range(8)}  # put while it may still run
         for key, value in values.items():
             assert store.put(key, value).value == "stored"
         assert job.done.wait(60) and job.complete, job.error
-        assert resident_bytes(job.region) >= store_config.mooncake.global_segment_size
+        assert resident_bytes(job.region) >= store_config.backend.global_segment_size
         assert store.get(list(values)) == list(values.values())
     finally:
         store.close()
@@ -40,7 +40,7 @@ def test_the_lent_segment_is_faulted_in_and_keeps_what_is_stored(store_config):
 
 def test_nothing_is_faulted_in_when_turned_off_or_nothing_is_lent(store_config):
     for changes in ({"prefault_segment": False}, {"global_segment_size": 0}):
-        store = MooncakeStore(store_config.with_mooncake(**changes))
+        store = MooncakeStore(store_config.with_backend(**changes))
         try:
             assert store.prefault is None
         finally:

@@ -60,7 +60,7 @@ def test_objects_are_immutable_first_put_wins(store):
 
 
 def test_an_unreachable_master_is_a_store_error(store_config):
-    bad = store_config.with_mooncake(master_server_address="127.0.0.1:1").model_copy(update={"connect_timeout_s": 5})
+    bad = store_config.with_backend(master_server_address="127.0.0.1:1").model_copy(update={"connect_timeout_s": 5})
     with pytest.raises(StoreError):
         open_store(bad)
 

@@ -7,7 +7,7 @@ from connector.config import ConfigError, load_config
 
 def test_defaults_and_a_minimal_config():
     config = load_config({"master_server_address": "127.0.0.1:50051"})
-    assert (config.hash_unit, config.mooncake.protocol, config.mooncake.metadata_server) == (1, "tcp", "P2PHANDSHAKE")
+    assert (config.hash_unit, config.backend.protocol, config.backend.metadata_server) == (1, "tcp", "P2PHANDSHAKE")
 
 
 @pytest.mark.parametrize(
@@ -39,7 +39,7 @@ def test_mooncake_fields_come_from_a_file_and_the_extra_config_wins(tmp_path, mo
     path = tmp_path / "mooncake.json"
     path.write_text(json.dumps({"master_server_address": "127.0.0.9:1", "global_segment_size": 1024, "other": 1}))
     config = load_config({"mooncake_config_path": str(path), "master_server_address": "127.0.0.1:2"})
-    assert (config.mooncake.master_server_address, config.mooncake.global_segment_size) == ("127.0.0.1:2", 1024)
+    assert (config.backend.master_server_address, config.backend.global_segment_size) == ("127.0.0.1:2", 1024)
 
 
 def test_an_unreadable_mooncake_file_is_a_clear_error(tmp_path):
@@ -50,8 +50,8 @@ def test_an_unreadable_mooncake_file_is_a_clear_error(tmp_path):
 def test_the_store_settings_have_their_own_section_and_the_flat_fields_still_work():
     nested = load_config({"mooncake": {"master_server_address": "127.0.0.1:3", "global_segment_size": 0}})
     flat = load_config({"master_server_address": "127.0.0.1:3", "global_segment_size": 0})
-    assert nested == flat and nested.mooncake.global_segment_size == 0
-    assert nested.with_mooncake(global_segment_size=5).mooncake.global_segment_size == 5
+    assert nested == flat and nested.backend.global_segment_size == 0
+    assert nested.with_backend(global_segment_size=5).backend.global_segment_size == 5
     with pytest.raises(
         ConfigError, match="'master_server_address' is \"127.0.0.1:3\"; the mooncake section gives it as"
     ):

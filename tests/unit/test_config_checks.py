@@ -14,7 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from connector.config import ConfigError, KVToolConfig, MooncakeSettings, check_block_size, load_config, parse_size
+from connector.config import ConfigError, KVToolConfig, check_block_size, load_config
+from connector.store.mooncake_config import MooncakeSettings, parse_size
 from connector.worker.worker import WorkerSide
 
 from .scripted_store import InlineCalls, ScriptedStore
@@ -187,14 +188,14 @@ def store_source(caplog) -> str:
 def test_a_stale_mooncake_config_path_in_the_environment_never_stops_a_whole_config(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("MOONCAKE_CONFIG_PATH", str(tmp_path / "gone.json"))
     caplog.set_level(logging.INFO, logger="vllm.kvtool")
-    assert load_config({"mooncake": MASTER}).mooncake.master_server_address == "127.0.0.1:1"
+    assert load_config({"mooncake": MASTER}).backend.master_server_address == "127.0.0.1:1"
     assert store_source(caplog).endswith(
         "from the extra config (MOONCAKE_CONFIG_PATH " + str(tmp_path / "gone.json") + " is not read)"
     )
     path = tmp_path / "mooncake.json"
     path.write_text(json.dumps({"master_server_address": "127.0.0.9:2"}))
     caplog.clear()
-    assert load_config({"mooncake_config_path": str(path)}).mooncake.master_server_address == "127.0.0.9:2"
+    assert load_config({"mooncake_config_path": str(path)}).backend.master_server_address == "127.0.0.9:2"
     assert f"the file {path} (mooncake_config_path)" in store_source(caplog)
 
 
@@ -204,7 +205,7 @@ def test_the_environments_file_gives_the_store_settings_the_extra_config_leaves_
     monkeypatch.setenv("MOONCAKE_CONFIG_PATH", str(path))
     caplog.set_level(logging.INFO, logger="vllm.kvtool")
     config = load_config({"protocol": "tcp", "hash_unit": 4})
-    assert (config.mooncake.master_server_address, config.mooncake.protocol) == ("127.0.0.9:2", "tcp")
+    assert (config.backend.master_server_address, config.backend.protocol) == ("127.0.0.9:2", "tcp")
     assert store_source(caplog).endswith(f"from the file {path} (MOONCAKE_CONFIG_PATH; fields in the extra config win)")
     monkeypatch.setenv("MOONCAKE_CONFIG_PATH", str(tmp_path / "gone.json"))
     assert "environment variable 'MOONCAKE_CONFIG_PATH' is " in refusal({"hash_unit": 4})

@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from connector.config import parse_size
+from connector.store.mooncake_config import parse_size
 from kvtool.cli import app
 from kvtool.commands.pairoptions import PairOptions
 from kvtool.configfile import KV_TRANSFER_FIELDS, check_config_file
@@ -191,7 +191,8 @@ def test_a_whole_size_in_any_unit_parses_exactly(number, unit):
 
 
 def test_the_operators_guide_names_every_connector_field():
-    from connector.config import KVToolConfig, MooncakeSettings
+    from connector.config import KVToolConfig
+    from connector.store.mooncake_config import MooncakeSettings
 
     guide = (Path(__file__).resolve().parents[2] / "docs" / "operators-guide.md").read_text()
     table = guide[guide.index("| field | default | meaning |") :].split("\n\n")[0]
@@ -200,7 +201,7 @@ def test_the_operators_guide_names_every_connector_field():
         for cell in re.findall(r"^\| ([^|]+) \|", table, flags=re.MULTILINE)
         for name in re.findall(r"`(\w+)`", cell)
     }
-    fields = (set(KVToolConfig.model_fields) - {"mooncake", "store_backend"}) | set(MooncakeSettings.model_fields)
+    fields = (set(KVToolConfig.model_fields) - {"backend", "store_backend"}) | set(MooncakeSettings.model_fields)
     assert fields - named == set(), sorted(fields - named)
 
 

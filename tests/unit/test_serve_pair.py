@@ -55,7 +55,7 @@ def test_kvtool_extra_config_is_accepted_by_the_connector():
     config_module = pytest.importorskip("connector.config")
     loaded = config_module.load_config(kvtool_extra_config("127.0.0.1:50051", hash_unit=8, global_segment_size=0))
     assert loaded.hash_unit == 8
-    assert loaded.mooncake.global_segment_size == 0
+    assert loaded.backend.global_segment_size == 0
 
 
 @pytest.mark.parametrize("role, kv_role", [("producer", "kv_producer"), ("consumer", "kv_consumer")])

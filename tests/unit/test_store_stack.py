@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import threading
 
@@ -15,7 +17,8 @@ from connector.worker.loader import LOAD_THREADS
 from connector.store.staging import StagingArea
 from connector.store.instrumented import InstrumentedStore
 from connector.store.latestore import LateStore
-from connector.store.store import PROBES, PutOutcome, StoreError, TimedStore
+from connector.store.backends import BACKENDS, DEFAULT_BACKEND
+from connector.store.store import PutOutcome, StoreError, TimedStore
 from connector.store.stack import WORKER_STORE_CALLS, breaker_policy, open_store_stack
 
 from .scripted_store import ScriptedStore
@@ -159,9 +162,14 @@ def test_faults_wrap_the_zero_copy_batches_too(tmp_path):
     assert "kvtool/2/ns/0/t/20/bb" not in backend.objects and len(backend.objects["kvtool/2/ns/0/b/64/cc"]) == 5
 
 
+def _backend_with(monkeypatch, **changes):
+    """The default backend's registration with ``changes`` (``backend.Backend``'s fields), for the test."""
+    monkeypatch.setitem(BACKENDS, DEFAULT_BACKEND, dataclasses.replace(BACKENDS[DEFAULT_BACKEND], **changes))
+
+
 def _unreachable(monkeypatch):
     """A backend whose probe says it cannot be reached (as the Mooncake one says of a dead master)."""
-    monkeypatch.setitem(PROBES, "mooncake", lambda config: "the master at 127.0.0.1:1 is not reachable")
+    _backend_with(monkeypatch, probe=lambda config: "the master at 127.0.0.1:1 is not reachable")
     return load_config({"master_server_address": "127.0.0.1:1"})
 
 
@@ -184,8 +192,7 @@ def test_a_reader_of_an_unreachable_store_is_told_why_and_an_engines_side_serves
 
 def test_a_backend_without_a_probe_is_opened_straight_away(monkeypatch):
     opened = []
-    monkeypatch.setitem(PROBES, "mooncake", None)
-    monkeypatch.delitem(PROBES, "mooncake")
+    _backend_with(monkeypatch, probe=None)
     monkeypatch.setattr(
         "connector.store.stack.open_store", lambda config, **kwargs: opened.append(kwargs) or ScriptedStore()
     )

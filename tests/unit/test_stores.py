@@ -89,7 +89,7 @@ def test_the_connector_takes_an_ha_group_and_fails_closed_when_no_endpoint_answe
     from kvtool.procs import find_free_port
 
     config = load_config({"mooncake": {"master_server_address": "etcd://127.0.0.1:2379;127.0.0.1:2479"}})
-    assert config.mooncake.master_server_address.startswith("etcd://")
+    assert config.backend.master_server_address.startswith("etcd://")
     with pytest.raises(ValueError):
         load_config({"mooncake": {"master_server_address": "etcd://127.0.0.1"}})
     closed = [find_free_port(), find_free_port()]  # nothing listens on them

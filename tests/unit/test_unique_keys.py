@@ -3,6 +3,8 @@ named it, over a fake that answers a repeated key the way Mooncake 0.3.13.post1'
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import logging
 
@@ -146,10 +148,11 @@ def test_every_put_batch_stores_what_a_put_of_each_item_in_turn_stores(items):
 
 def test_open_store_puts_the_guard_between_every_caller_and_the_backend(monkeypatch, tmp_path):
     """Under the time-outs, and above fault injection (which stands for the backend)."""
-    from connector.store import store as module
+    from connector.store.backends import BACKENDS, DEFAULT_BACKEND
 
     backend = fake_store()
-    monkeypatch.setitem(module.BACKENDS, "mooncake", lambda config: backend)
+    registered = dataclasses.replace(BACKENDS[DEFAULT_BACKEND], open=lambda config: backend)
+    monkeypatch.setitem(BACKENDS, DEFAULT_BACKEND, registered)
     plan = tmp_path / "faults.json"
     plan.write_text(json.dumps({}))
     for faults in ({}, {"fault_control_file": str(plan)}):
