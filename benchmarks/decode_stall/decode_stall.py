@@ -33,6 +33,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from kvtool import web  # noqa: E402
+from kvtool.pair.ready import ReadyFile, read_ready_file  # noqa: E402
 from kvtool.procs import find_free_port  # noqa: E402
 
 
@@ -49,13 +50,13 @@ def start_pair(workdir: Path) -> tuple[subprocess.Popen, dict]:
         if process.poll() is not None or time.monotonic() > deadline:
             raise SystemExit(f"serve-pair did not start; see {workdir / 'serve-pair.log'}")
         time.sleep(1)
-    return process, json.loads(ready.read_text())
+    return process, read_ready_file(ready)
 
 
-def master_pid(info: dict, ready_file: Path | None) -> int:
+def master_pid(info: ReadyFile, ready_file: Path | None) -> int:
     if ready_file is not None:  # serve-pair rewrites it when it restarts the master
-        info = json.loads(ready_file.read_text())
-    pid = info.get("master_pid") or (info.get("pids") or {}).get("master")
+        info = read_ready_file(ready_file)
+    pid = info.master_pid or info.pids.get("master")
     if not pid:
         raise SystemExit("the pair's ready file names no master pid (a master given with --master?)")
     return int(pid)
@@ -115,8 +116,8 @@ def hook_counters(base: str) -> dict[str, float]:
     return totals
 
 
-def run_round(info: dict, args, rng: random.Random, frozen: bool, pid_of_master) -> dict:
-    base, model = info["consumer"], info["model"]
+def run_round(info: ReadyFile, args, rng: random.Random, frozen: bool, pid_of_master) -> dict:
+    base, model = info.consumer, info.model
     before = itl_buckets(base)
     hooks_before = hook_counters(base)
     gaps: list[float] = []
@@ -227,7 +228,7 @@ def main() -> None:
         process, info = start_pair(workdir)
         ready_file = workdir / "ready.json"
     else:
-        info, ready_file = json.loads(args.pair.read_text()), args.pair
+        info, ready_file = read_ready_file(args.pair), args.pair
     try:
         rng = random.Random(args.seed)
         # Warm up: the first mixed batches compile kernels; neither condition should pay for that.
@@ -251,7 +252,7 @@ def main() -> None:
         report = {
             "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
             "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-            "pair": {k: info.get(k) for k in ("model", "block_size", "connector", "store")},
+            "pair": {k: getattr(info, k) for k in ("model", "block_size", "connector", "store")},
             "healthy": healthy,
             "frozen": frozen,
             "p99_ratio_frozen_over_healthy": round(ratio, 3),

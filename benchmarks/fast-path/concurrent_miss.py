@@ -31,12 +31,13 @@ from published import provenance, write_result  # noqa: E402
 
 from connector.core.hits import HitDetails  # noqa: E402
 from kvtool.client import complete  # noqa: E402
+from kvtool.pair.ready import ReadyFile  # noqa: E402
 
 CONNECTORS = ("kvtool", "none")
 
 
-def ask(info: dict, tokens: list[int]) -> dict[str, Any]:
-    answer = complete(info["consumer"], info["model"], tokens, max_tokens=1, timeout_s=600)
+def ask(info: ReadyFile, tokens: list[int]) -> dict[str, Any]:
+    answer = complete(info.consumer, info.model, tokens, max_tokens=1, timeout_s=600)
     details = HitDetails.from_response(answer)
     answered = (details.timeline or {}).get("answered") if details else None
     return {
@@ -46,7 +47,7 @@ def ask(info: dict, tokens: list[int]) -> dict[str, Any]:
     }
 
 
-def measure(info: dict, args: argparse.Namespace, rng: random.Random) -> dict[int, list[dict[str, Any]]]:
+def measure(info: ReadyFile, args: argparse.Namespace, rng: random.Random) -> dict[int, list[dict[str, Any]]]:
     lengths = [int(x) for x in args.lengths.split(",")]
     ask(info, [rng.randrange(10, 1000) for _ in range(lengths[0])])  # warm the engine up
     by_concurrency: dict[int, list[dict[str, Any]]] = {}

@@ -14,7 +14,6 @@ and connector, and ``miss_ttft_vs_none`` (kvtool's p50 over none's, per length).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import signal
@@ -30,6 +29,7 @@ sys.path.insert(0, str(REPO))
 from published import git_head, write_result  # noqa: E402 - the sibling module
 
 from kvtool.client import complete  # noqa: E402
+from kvtool.pair.ready import ReadyFile, read_ready_file  # noqa: E402
 
 CONNECTORS = ("kvtool", "none")
 
@@ -60,7 +60,7 @@ def launch(connector: str, workdir: Path, extra: tuple[str, ...] = ()) -> tuple[
             stop(pair)
             raise SystemExit(f"the {connector} pair did not start: see {workdir / f'serve-pair-{connector}.log'}")
         time.sleep(1)
-    return pair, json.loads(ready.read_text())
+    return pair, read_ready_file(ready)
 
 
 def stop(pair: subprocess.Popen) -> None:
@@ -73,12 +73,12 @@ def stop(pair: subprocess.Popen) -> None:
             pair.wait()
 
 
-def measure(info: dict, lengths: list[int], requests: int, rng: random.Random, pause_s: float) -> dict[int, list]:
+def measure(info: ReadyFile, lengths: list[int], requests: int, rng: random.Random, pause_s: float) -> dict[int, list]:
     ttft: dict[int, list[float]] = {length: [] for length in lengths}
     for index in range(requests + 2):  # the first two of each length warm the engine up
         for length in lengths:
             prompt = [rng.randrange(10, 1000) for _ in range(length)]
-            answer = complete(info["consumer"], info["model"], prompt, max_tokens=4, stream=True)
+            answer = complete(info.consumer, info.model, prompt, max_tokens=4, stream=True)
             if index >= 2:
                 ttft[length].append(answer["kvtool_timing"]["ttft_s"] * 1000.0)
             time.sleep(pause_s)

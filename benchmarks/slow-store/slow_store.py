@@ -36,14 +36,15 @@ from soak.pair import Pair  # noqa: E402
 from connector.core.hits import HitDetails  # noqa: E402
 from kvtool.client import complete  # noqa: E402
 from kvtool.errors import ServerError  # noqa: E402
+from kvtool.pair.ready import ReadyFile  # noqa: E402
 from kvtool.store.admin import open_admin, wait_for_key  # noqa: E402
 
 
-def ask(info: dict, engine: str, tokens: list[int]) -> dict[str, Any]:
+def ask(info: ReadyFile, engine: str, tokens: list[int]) -> dict[str, Any]:
     """One request, max_tokens 1 (its latency is its TTFT); what it reused and how its lookup went."""
     started = time.monotonic()
     try:
-        answer = complete(info[engine], info["model"], tokens, max_tokens=1, timeout_s=120)
+        answer = complete(getattr(info, engine), info.model, tokens, max_tokens=1, timeout_s=120)
     except ServerError as exc:
         return {"ttft_ms": None, "lookup": f"request failed: {exc}", "reused": 0, "at_s": started}
     details = HitDetails.from_response(answer)
@@ -75,7 +76,7 @@ def run_delay(pair: Pair, delay_s: float, args: argparse.Namespace, rng: random.
         records.append({"phase": "slow", **ask(info, "consumer", fresh())})
     pair.set_faults(None)
     recovered_at = time.monotonic()
-    store = open_admin(info["admin"])
+    store = open_admin(info.admin)
     for _ in range(args.recovery_requests):
         stored = fresh()
         published = ask(info, "producer", stored)

@@ -53,7 +53,7 @@ class MasterAction(threading.Thread):
     def _act(self) -> None:
         event, pair = self.event, self.pair
         time.sleep(self.delay_s)
-        pid = pair.ready()["master_pid"]
+        pid = pair.ready().master_pid
         event.old_pid = pid
         try:
             if event.kind == "kill":
@@ -77,7 +77,7 @@ class MasterAction(threading.Thread):
         expect_new = event.kind == "kill" or event.replaced
         deadline = time.monotonic() + MASTER_BACK_TIMEOUT_S
         while time.monotonic() < deadline:
-            current = pair.ready()["master_pid"]
+            current = pair.ready().master_pid
             if (current != pid or not expect_new) and pair.master_healthy():
                 event.new_pid = current
                 event.replaced = event.replaced or current != pid

@@ -14,6 +14,8 @@ from typing import Any
 import httpx
 
 from kvtool import web
+from kvtool.errors import UserError
+from kvtool.pair.ready import ReadyFile, read_ready_file
 from kvtool.procs import find_free_port, log_tail
 
 REPO = Path(__file__).resolve().parents[2]
@@ -48,9 +50,16 @@ class Pair:
         for flag in ("producer", "consumer", "master", "admin"):
             self.argv += [f"--{flag}-port", str(find_free_port())]
         self.process: subprocess.Popen | None = None
-        self.info: dict[str, Any] = {}
+        self._info: ReadyFile | None = None
 
-    def start(self) -> dict[str, Any]:
+    @property
+    def info(self) -> ReadyFile:
+        """The ready file as serve-pair first wrote it."""
+        if self._info is None:
+            raise RuntimeError("the pair has not started")
+        return self._info
+
+    def start(self) -> ReadyFile:
         self.process = subprocess.Popen(
             self.argv,
             cwd=REPO,
@@ -65,27 +74,27 @@ class Pair:
                     f"serve-pair --roles {self.roles} did not start; see {self.log}:\n{log_tail(self.log)}"
                 )
             time.sleep(0.5)
-        self.info = self.ready()
-        return self.info
+        self._info = self.ready()
+        return self._info
 
-    def ready(self) -> dict[str, Any]:
+    def ready(self) -> ReadyFile:
         for _ in range(50):
             try:
-                return json.loads(self.ready_file.read_text())
-            except (OSError, ValueError):
+                return read_ready_file(self.ready_file)
+            except UserError:
                 time.sleep(0.1)  # written atomically, but removed on exit
         raise RuntimeError(f"cannot read {self.ready_file}")
 
     def master_healthy(self) -> bool:
         try:
-            return web.get(f"{self.info['admin']}/health", timeout=1.0).status_code == 200
+            return web.get(f"{self.info.admin}/health", timeout=1.0).status_code == 200
         except httpx.HTTPError:
             return False
 
     def key_exists(self, key: str) -> bool | None:
         """None when the admin port does not answer (the master is down or frozen)."""
         try:
-            answer = web.get(f"{self.info['admin']}/query_key?key={key}", timeout=1.0)
+            answer = web.get(f"{self.info.admin}/query_key?key={key}", timeout=1.0)
         except httpx.HTTPError:
             return None
         try:
@@ -102,11 +111,11 @@ class Pair:
         os.replace(staging, self.fault_file)
 
     def engine_log(self, engine: str) -> Path:
-        return Path(self.info["log_dir"]) / f"{engine}.log"
+        return Path(self.info.log_dir or ".") / f"{engine}.log"
 
     def log_excerpt(self, engine: str) -> dict[str, str]:
         excerpt = {engine: log_tail(self.engine_log(engine), 40)}
-        supervisor = Path(self.info["log_dir"]) / "supervisor.log"
+        supervisor = Path(self.info.log_dir or ".") / "supervisor.log"
         if supervisor.exists():
             excerpt["supervisor"] = log_tail(supervisor, 10)
         return excerpt

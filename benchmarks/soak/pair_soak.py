@@ -12,6 +12,7 @@ from typing import Any
 from connector.core.hits import HitDetails
 from kvtool.client import complete
 from kvtool.errors import ServerError
+from kvtool.pair.ready import ReadyFile
 from kvtool.verify import DEFAULT_LOGPROB_TOLERANCE, choice_logprobs, compare_answers
 
 from master import MASTER_BACK_TIMEOUT_S, MasterAction, MasterEvent
@@ -42,11 +43,11 @@ class PairSoak:
     worst_logprob_diff: float = 0.0
     iteration: int = 0
     fault: str | None = None
-    final_ready: dict[str, Any] = field(default_factory=dict)
+    final_ready: ReadyFile | None = None
 
     @property
     def model(self) -> str:
-        return self.pair.info["model"]
+        return self.pair.info.model
 
     def now_s(self) -> float:
         return round(time.monotonic() - self.started, 2)
@@ -59,7 +60,7 @@ class PairSoak:
         began = time.monotonic()
         try:
             answer = complete(
-                self.pair.info[engine],
+                getattr(self.pair.info, engine),
                 self.model,
                 prompt,
                 max_tokens=max_tokens,

@@ -7,6 +7,7 @@ import sys
 from collections import Counter
 from typing import Any
 
+from kvtool.pair.ready import ReadyFile
 from kvtool.verify import DEFAULT_LOGPROB_TOLERANCE
 
 from master import MasterEvent
@@ -56,7 +57,7 @@ def pair_report(soak: PairSoak, wall_s: float) -> dict[str, Any]:
         "master_kills": sum(e.kind == "kill" for e in soak.events),
         "master_freezes": sum(e.kind == "freeze" for e in soak.events),
         "master_replaced_while_frozen": sum(e.kind == "freeze" and e.replaced for e in soak.events),
-        "master_restarts_by_serve_pair": (final.get("restarts") or {}).get("master"),
+        "master_restarts_by_serve_pair": final.restarts.get("master") if final is not None else None,
         "requests_in_flight_while_master_down": sum(e["requests_in_flight_while_down"] for e in events),
         "requests_answered_while_master_down": sum(e["requests_answered_while_down"] for e in events),
         "master_events": events,
@@ -74,12 +75,12 @@ def pair_report(soak: PairSoak, wall_s: float) -> dict[str, Any]:
         "mismatch_list": soak.mismatches,
         "hang_list": soak.hangs,
         "error_list": soak.errors,
-        "log_dir": soak.pair.info.get("log_dir"),
+        "log_dir": soak.pair.info.log_dir,
         "wall_s": round(wall_s, 1),
     }
 
 
-def run_result(args: argparse.Namespace, reports: dict[str, dict], pair_info: dict[str, Any], wall_s: float) -> dict:
+def run_result(args: argparse.Namespace, reports: dict[str, dict], pair_info: ReadyFile | None, wall_s: float) -> dict:
     """The whole run: its command and configuration, totals over the pairs, and each pair's report."""
     return {
         "command": " ".join(["python", "benchmarks/soak/soak.py", *sys.argv[1:]]),
@@ -92,9 +93,9 @@ def run_result(args: argparse.Namespace, reports: dict[str, dict], pair_info: di
             "master_freezes_per_pair": args.freezes,
             "freeze_seconds": args.freeze_list,
             "seed": args.seed,
-            "model": pair_info.get("model"),
-            "block_size": pair_info.get("block_size"),
-            "hash_unit": pair_info.get("hash_unit"),
+            "model": pair_info.model if pair_info else None,
+            "block_size": pair_info.block_size if pair_info else None,
+            "hash_unit": pair_info.hash_unit if pair_info else None,
             "logprob_tolerance": DEFAULT_LOGPROB_TOLERANCE,
             "request_timeout_s": REQUEST_TIMEOUT_S,
             "save_wait_s": {"default": SAVE_WAIT_S, "slow_store_or_save_in_flight": SLOW_SAVE_WAIT_S},

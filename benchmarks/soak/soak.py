@@ -34,7 +34,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parents[1])]  # the sibling modules, then the repo root (kvtool, connector)
@@ -44,6 +43,7 @@ from pair import REPO, Pair  # noqa: E402
 from pair_soak import PairSoak  # noqa: E402
 from report import pair_report, run_result  # noqa: E402
 
+from kvtool.pair.ready import ReadyFile  # noqa: E402
 from kvtool.portable import portable  # noqa: E402
 
 
@@ -75,7 +75,7 @@ def main() -> int:
     args = parse_args()
     began = time.monotonic()
     reports: dict[str, dict] = {}
-    pair_info: dict[str, Any] = {}
+    pair_info: ReadyFile | None = None
     for roles in args.roles_list:
         workdir = Path(tempfile.mkdtemp(prefix=f"kvtool-soak-{roles}-"))
         pair = Pair(workdir, roles)
@@ -84,7 +84,7 @@ def main() -> int:
         try:
             info = pair.start()
             pair_info = info
-            print(f"pair ready: {info['producer']} {info['consumer']} master {info['master']}", flush=True)
+            print(f"pair ready: {info.producer} {info.consumer} master {info.master}", flush=True)
             soak = PairSoak(pair, args, random.Random(f"{args.seed}:{roles}"))
             events = plan_events(args.iterations, args.kills, args.freezes, args.freeze_list)
             soak.run(events, roles)

@@ -16,14 +16,13 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from kvtool.procs import find_free_port, log_tail
 from kvtool.pair.ready import read_ready_file
 
-from .pairtools import PairMaster
+from .pairtools import PairMaster, RunningPair
 
 READY_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 60.0
@@ -79,10 +78,10 @@ _start_failures: dict[str, str] = {}
 @contextlib.contextmanager
 def running_pair(
     workdir: Path, preset: str = "tiny", roles: str = "pd", extra_args: tuple[str, ...] = (), label: str | None = None
-) -> Iterator[dict[str, Any]]:
-    """A serve-pair on free ports for ``preset``'s generated model, until the block ends: its parsed
-    ready file (kvtool/pair/ready.py), as first written, plus ``ready_file`` (serve-pair rewrites it when it
-    restarts the master) and ``fault_control_file``."""
+) -> Iterator[RunningPair]:
+    """A serve-pair on free ports for ``preset``'s generated model, until the block ends: its typed ready
+    file (kvtool/pair/ready.py), as first written, with ``ready_file`` (serve-pair rewrites it when it
+    restarts the master), ``fault_control_file`` and ``preset``."""
     name = label or f"{preset}/{roles}"
     if name in _start_failures:
         pytest.fail(f"serve-pair failed to start earlier in this session:\n{_start_failures[name]}", pytrace=False)
@@ -136,23 +135,23 @@ def running_pair(
                 _start_failures[name] = f"{problem}\n{_log_tails(log_dir)}"
                 pytest.fail(_start_failures[name], pytrace=False)
             time.sleep(0.5)
-        info = read_ready_file(ready_file).to_json()  # the contract serve-pair writes (kvtool/pair/ready.py)
-        info["fault_control_file"] = str(fault_control)
-        info["ready_file"] = str(ready_file)
-        yield info
+        ready = read_ready_file(ready_file)  # the contract serve-pair writes (kvtool/pair/ready.py)
+        yield RunningPair(
+            **ready.model_dump(), ready_file=str(ready_file), fault_control_file=str(fault_control), preset=preset
+        )
     finally:
         _stop(process)
 
 
 @pytest.fixture(scope="session")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningPair]:
     """The session's pair on the tiny model (see running_pair)."""
     with running_pair(tmp_path_factory.mktemp("pair")) as info:
         yield info
 
 
 @pytest.fixture(scope="session", params=["swa", "mamba"])
-def hybrid(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+def hybrid(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningPair]:
     """One pair per hybrid preset for the whole session (pytest runs every test of one before the
     other's): both engines kv_both, saving their answers (--roles both), with a pointer at every token
     (--divergence-grid 1). ``swa`` (sliding window 64 + full attention) prefills in chunks of 64 tokens,
@@ -163,13 +162,12 @@ def hybrid(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         extra += ("--max-num-batched-tokens", "64")
     workdir = tmp_path_factory.mktemp(f"hybrid-{request.param}")
     with running_pair(workdir, request.param, roles="both", extra_args=extra) as info:
-        info["preset"] = request.param
         yield info
 
 
 @pytest.fixture
-def pair_master(pair: dict[str, Any]) -> PairMaster:
+def pair_master(pair: RunningPair) -> PairMaster:
     """The master serve-pair runs and supervises: its admin URL, and its current pid from the ready file."""
-    if pair.get("master_pid") is None:
+    if pair.master_pid is None:
         pytest.skip("this pair runs no Mooncake master of its own")
     return PairMaster(pair)

@@ -17,10 +17,10 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_bench_on_the_pair_reaches_the_ideal_with_tail_hits(pair, tmp_path):
-    if pair["connector"] != "kvtool":
+    if pair.connector != "kvtool":
         pytest.skip("the efficiency bounds are the kvtool connector's")
     ready = tmp_path / "ready.json"
-    ready.write_text(json.dumps(pair))
+    ready.write_text(json.dumps(pair.to_json()))
     results = tmp_path / "bench.json"
     argv = [sys.executable, "-m", "kvtool.cli", "bench", "--pair", str(ready), "--json", str(results)]
     argv += ["--workload", "sub-block", "--workload", "cross-block", "--requests", "3", "--max-tokens", "4"]

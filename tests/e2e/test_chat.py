@@ -13,7 +13,15 @@ from connector.core.hits import HitDetails
 from kvtool.store.admin import open_admin, wait_for_key
 
 from .conftest import running_pair
-from .pairtools import consume, produce, prompt, through_pointer_stalls, wait_save_ended, warm_pointer_reads
+from .pairtools import (
+    RunningPair,
+    consume,
+    produce,
+    prompt,
+    through_pointer_stalls,
+    wait_save_ended,
+    warm_pointer_reads,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -21,13 +29,12 @@ ANSWER = 20  # generated tokens a turn: the answer ends inside a block, past the
 
 
 @pytest.fixture(scope="module")
-def both_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+def both_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningPair]:
     """A tiny-model pair whose engines are both kv_both and save their answers (serve-pair --roles
     both), with a pointer at every token inside stored objects (--divergence-grid 1). The hybrid
     presets' pairs (conftest ``hybrid``) are started that way too."""
     workdir = tmp_path_factory.mktemp("both-pair-tiny")
     with running_pair(workdir, "tiny", roles="both", extra_args=("--divergence-grid", "1")) as info:
-        info["preset"] = "tiny"
         yield info
 
 
@@ -41,7 +48,7 @@ def test_a_three_turn_chat_on_hybrid_models(hybrid):
     three_turn_chat(hybrid)
 
 
-def three_turn_chat(both_pair: dict) -> None:
+def three_turn_chat(both_pair: RunningPair) -> None:
     turn = prompt(40, 50)
     computed = 0  # tokens whose KV some engine computed before: the ideal reuse of the next turn
     for number in range(3):
@@ -56,7 +63,7 @@ def three_turn_chat(both_pair: dict) -> None:
         assert len(generated) == ANSWER
         # Its answer save: prompt + answer but the last generated token, which has no KV.
         assert details.answer_tokens == len(turn) + ANSWER - 1 and details.answer_save_objects > 0
-        assert wait_for_key(open_admin(both_pair["admin"]), details.answer_last_key, 60.0), details.answer_last_key
+        assert wait_for_key(open_admin(both_pair.admin), details.answer_last_key, 60.0), details.answer_last_key
         computed = len(turn) + ANSWER - 1
         turn = turn + generated + prompt(41 + number, 7)
 
@@ -76,12 +83,12 @@ def test_a_prompt_leaving_a_stored_one_inside_an_object_hits_exactly_the_common_
     ids=["inside-a-block", "inside-a-tail", "inside-a-sub-block-prompt"],
 )
 def test_divergence_points_on_the_sliding_window_hybrid(hybrid, common, length):
-    if hybrid["preset"] != "swa":
+    if hybrid.preset != "swa":
         pytest.skip("a Mamba model stores states at block boundaries and L - 1 only (test_hybrid covers it)")
     leave_inside_an_object(hybrid, common, length)
 
 
-def leave_inside_an_object(both_pair: dict, common: int, length: int) -> None:
+def leave_inside_an_object(both_pair: RunningPair, common: int, length: int) -> None:
     warm_pointer_reads(both_pair)
 
     def attempt(number: int) -> HitDetails:
@@ -92,7 +99,7 @@ def leave_inside_an_object(both_pair: dict, common: int, length: int) -> None:
         assert diverging[common] != stored[common]
         details, _ = consume(both_pair, diverging)
         if details.pointer_read_failed:  # the hit without the pointer: the whole blocks before it
-            assert details.reused_tokens == common // both_pair["block_size"] * both_pair["block_size"], details
+            assert details.reused_tokens == common // both_pair.block_size * both_pair.block_size, details
         else:
             assert details.reused_tokens == common, details
             assert details.lookup == "hit"
@@ -106,7 +113,7 @@ def test_on_the_default_configuration_a_divergence_point_is_found_exactly(pair):
     a prompt leaving a stored one inside a block reuses their exact common prefix (the pointer records'
     token ids); one leaving it 6 tokens past a block boundary, before the block's first grid point,
     reuses the whole blocks only (a block to load for 6 tokens does not pay)."""
-    assert pair["divergence_grid"] == 8
+    assert pair.divergence_grid == 8
     warm_pointer_reads(pair)
     for common, expected in ((56, 56), (53, 53), (78, 78), (70, 64)):
 
@@ -117,7 +124,7 @@ def test_on_the_default_configuration_a_divergence_point_is_found_exactly(pair):
             diverging = stored[:common] + prompt(seed + 1 + common, 20)
             assert diverging[common] != stored[common]
             details, _ = consume(pair, diverging)
-            fallback = common // pair["block_size"] * pair["block_size"]  # whole blocks, without the pointer
+            fallback = common // pair.block_size * pair.block_size  # whole blocks, without the pointer
             assert details.reused_tokens == (fallback if details.pointer_read_failed else expected), (common, details)
             return details
 

@@ -14,7 +14,7 @@ from connector.core.watermarks import SaveState, WatermarkRecord
 from kvtool import prometheus
 from kvtool.client import complete
 
-from .pairtools import consume, faults, hit_details, produce, prompt, wait_save_ended, wait_store_serving
+from .pairtools import RunningPair, consume, faults, hit_details, produce, prompt, wait_save_ended, wait_store_serving
 
 pytestmark = pytest.mark.e2e
 
@@ -22,16 +22,16 @@ pytestmark = pytest.mark.e2e
 @pytest.fixture(scope="module")
 def reader(pair):
     """A store client of the test's own, lending no memory, to read watermark records."""
-    client = open_store(load_config({"master_server_address": pair["master"], "global_segment_size": 0}))
+    client = open_store(load_config({"master_server_address": pair.master, "global_segment_size": 0}))
     yield client
     client.close()
 
 
-def metric(pair: dict, role: str, name: str) -> float:
+def metric(pair: RunningPair, role: str, name: str) -> float:
     return prometheus.total(httpx.get(f"{pair[role]}/metrics", timeout=10).text, name) or 0.0
 
 
-def wait_metric(pair: dict, role: str, name: str, above: float, timeout_s: float = 30.0) -> float:
+def wait_metric(pair: RunningPair, role: str, name: str, above: float, timeout_s: float = 30.0) -> float:
     deadline = time.monotonic() + timeout_s
     while True:
         value = metric(pair, role, name)
@@ -64,7 +64,7 @@ def test_a_request_aborted_while_its_load_fails_leaves_no_stale_blocks_for_a_loc
         with pytest.raises(httpx.TimeoutException):  # the client gives up: vLLM aborts the request mid-load
             httpx.post(
                 f"{pair['consumer']}/v1/completions",
-                json={"model": pair["model"], "prompt": base + prompt(116, 4), "max_tokens": 4, "temperature": 0},
+                json={"model": pair.model, "prompt": base + prompt(116, 4), "max_tokens": 4, "temperature": 0},
                 timeout=0.5,
             )
         assert wait_metric(pair, "consumer", "vllm:kvtool_load_failures_checksum_total", before) > before
@@ -163,7 +163,7 @@ def test_the_same_prompt_published_twice_at_once_gives_one_object_and_no_error(p
     base = prompt(150, 70)
     wait_store_serving(pair)
     with ThreadPoolExecutor(2) as pool:
-        answers = list(pool.map(lambda _: complete(pair["producer"], pair["model"], base, max_tokens=1), range(2)))
+        answers = list(pool.map(lambda _: complete(pair.producer, pair.model, base, max_tokens=1), range(2)))
     assert all(a["choices"][0]["finish_reason"] for a in answers)
     for answer in answers:  # both saves ended (the second finds the first's objects, or races it): then look
         wait_save_ended(pair, hit_details(answer))
@@ -176,7 +176,7 @@ def test_bad_prompts_get_a_clear_error_and_the_engine_keeps_serving(pair, bad_pr
     from kvtool.errors import ServerError
 
     with pytest.raises(ServerError) as info:
-        complete(pair["consumer"], pair["model"], bad_prompt, max_tokens=2)
+        complete(pair.consumer, pair.model, bad_prompt, max_tokens=2)
     assert "HTTP 400" in str(info.value)
     base = prompt(160 + len(bad_prompt), 30)  # a prompt of its own per case
     produce(pair, base)
@@ -188,7 +188,7 @@ def test_a_lookup_while_the_save_is_in_flight_is_a_miss_or_a_whole_hit(pair):
     base = prompt(170, 85)
     seen = []
     with faults(pair, put_delay_s=0.4):  # each put of the producer's save takes 0.4 s
-        published = hit_details(complete(pair["producer"], pair["model"], base, max_tokens=1))
+        published = hit_details(complete(pair.producer, pair.model, base, max_tokens=1))
         for extra in range(4):  # look up while the three objects land one by one
             details, _ = consume(pair, base + prompt(180 + extra, 4))  # answers equal the recomputation
             seen.append(details.reused_tokens)

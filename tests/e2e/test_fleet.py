@@ -27,7 +27,7 @@ from kvtool.store.admin import open_admin, wait_for_key
 from kvtool.verify import compare_answers
 
 from .conftest import running_pair
-from .pairtools import TOLERANCE, consume, hit_details, prompt
+from .pairtools import RunningPair, TOLERANCE, consume, hit_details, prompt
 
 pytestmark = pytest.mark.e2e
 
@@ -36,7 +36,7 @@ EXTRA = {"return_tokens_as_token_ids": True, "return_token_ids": True, "ignore_e
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningPair]:
     """serve-pair --engines 2 on free ports, a pointer at every token (--divergence-grid 1)."""
     engine_ports = [find_free_port(), find_free_port()]
     # The fleet's default store (a standalone mooncake_client): the engines transfer with it only.
@@ -49,16 +49,16 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
         yield info
 
 
-def served(fleet: dict) -> dict[str, float]:
+def served(fleet: RunningPair) -> dict[str, float]:
     """Requests each engine has finished so far (vLLM's own counter)."""
     counts = {}
-    for name, url in fleet["engines"].items():
+    for name, url in fleet.engines.items():
         text = httpx.get(f"{url}/metrics", timeout=10).text
         counts[name] = prometheus.total(text, "vllm:request_success_total") or 0.0
     return counts
 
 
-def served_by(fleet: dict, before: dict[str, float], timeout_s: float = 30.0) -> str:
+def served_by(fleet: RunningPair, before: dict[str, float], timeout_s: float = 30.0) -> str:
     """The engine that finished the one request sent since ``before`` was read."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -70,10 +70,10 @@ def served_by(fleet: dict, before: dict[str, float], timeout_s: float = 30.0) ->
     raise AssertionError("no engine counted the request")
 
 
-def ask(fleet: dict, tokens: list[int], max_tokens: int) -> tuple[dict, str]:
+def ask(fleet: RunningPair, tokens: list[int], max_tokens: int) -> tuple[dict, str]:
     """One request through the router, and the engine that served it."""
     before = served(fleet)
-    answer = complete(fleet["router"], fleet["model"], tokens, max_tokens=max_tokens, logprobs=5, extra=EXTRA)
+    answer = complete(fleet.router, fleet.model, tokens, max_tokens=max_tokens, logprobs=5, extra=EXTRA)
     return answer, served_by(fleet, before)
 
 
@@ -85,7 +85,7 @@ def test_turn_two_on_the_other_engine_reuses_turn_ones_prompt_and_answer_to_the_
         first, first_engine = ask(fleet, turn1, ANSWER)
         saved = hit_details(first)
         assert saved.answer_tokens == len(turn1) + ANSWER - 1  # prompt + answer but the last token (no KV)
-        assert wait_for_key(open_admin(fleet["admin"]), saved.answer_last_key, 60.0), saved.answer_last_key
+        assert wait_for_key(open_admin(fleet.admin), saved.answer_last_key, 60.0), saved.answer_last_key
         generated = first["choices"][0]["token_ids"]
         turn2 = turn1 + generated + prompt(301 + 10 * attempt, 7)
         second, second_engine = ask(fleet, turn2, 8)
@@ -95,9 +95,7 @@ def test_turn_two_on_the_other_engine_reuses_turn_ones_prompt_and_answer_to_the_
     assert second_engine != first_engine, "round robin sent both turns to one engine"
     assert details.local_hit_tokens == 0, details  # the other engine never saw turn 1
     assert details.external_hit_tokens == len(turn1) + ANSWER - 1, details
-    reference = complete(
-        fleet["router"], fleet["model"], turn2, max_tokens=8, logprobs=5, prompt_logprobs=1, extra=EXTRA
-    )
+    reference = complete(fleet.router, fleet.model, turn2, max_tokens=8, logprobs=5, prompt_logprobs=1, extra=EXTRA)
     assert hit_details(reference).reused_tokens == 0
     comparison = compare_answers(second, reference, TOLERANCE)
     assert comparison.matches, comparison.reason
@@ -113,7 +111,7 @@ def test_a_load_of_agent_sessions_through_the_router_completes_and_answers_exact
         "kvtool.cli",
         "bench",
         "--pair",
-        fleet["ready_file"],
+        fleet.ready_file,
         "--load",
         "agentic",
         "--sessions",
@@ -148,7 +146,7 @@ def test_a_trace_replayed_at_its_timestamps_through_the_router_answers_exactly(f
     timestamps (scaled), every request answered and every sampled answer a recomputation's."""
     trace = Path(__file__).resolve().parents[1] / "data" / "mooncake_synthetic_trace_tail.jsonl"
     out = tmp_path / "trace.json"
-    argv = [sys.executable, "-m", "kvtool.cli", "bench", "--pair", fleet["ready_file"], "--load", f"trace:{trace}"]
+    argv = [sys.executable, "-m", "kvtool.cli", "bench", "--pair", fleet.ready_file, "--load", f"trace:{trace}"]
     argv += ["--sessions", "6", "--time-scale", "0.01", "--trace-block-tokens", "8", "--concurrency", "3"]
     argv += ["--max-tokens", "4", "--check-every", "2", "--format", "json", "--output", str(out), "--quiet"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
@@ -163,8 +161,8 @@ def test_a_trace_replayed_at_its_timestamps_through_the_router_answers_exactly(f
 
 def test_an_engine_killed_mid_run_is_taken_out_the_fleet_serves_on_and_it_rejoins_warm(fleet):
     """Runs last in this module: it kills an engine and waits for serve-pair to start it again."""
-    ready_file, killed = fleet["ready_file"], fleet["engines"]["engine-1"]
-    os.killpg(fleet["pids"]["engine-1"], signal.SIGKILL)  # the engine and its engine core, at once
+    ready_file, killed = fleet.ready_file, fleet.engines["engine-1"]
+    os.killpg(fleet.pids["engine-1"], signal.SIGKILL)  # the engine and its engine core, at once
     served = []
     for seed in range(4):  # each answered as a recomputation answers, by the engine left
         tokens = prompt(340 + seed, 40) + prompt(350, 30)
@@ -174,12 +172,12 @@ def test_an_engine_killed_mid_run_is_taken_out_the_fleet_serves_on_and_it_rejoin
     # serve-pair starts it again, warms it up with engine-0, and only then puts it back in the rotation.
     assert _eventually(lambda: set(read_ready_file(ready_file).engines) == {"engine-0", "engine-1"}, 400)
     info = read_ready_file(ready_file)
-    assert info.restarts["engine-1"] == 1 and info.pids["engine-1"] != fleet["pids"]["engine-1"]
-    assert killed in (RouterWorkers(fleet["router"]).urls() or set())
-    admin = open_admin(fleet["admin"])
+    assert info.restarts["engine-1"] == 1 and info.pids["engine-1"] != fleet.pids["engine-1"]
+    assert killed in (RouterWorkers(fleet.router).urls() or set())
+    admin = open_admin(fleet.admin)
     for tokens, saved in served:  # a prompt engine-0 saved while engine-1 was down, now loaded by engine-1
         assert wait_for_key(admin, saved.watermark_key, 60.0), saved.watermark_key
-        details, _ = consume({**fleet, "engine-1": killed}, tokens + prompt(360, 9), engine="engine-1", max_tokens=4)
+        details, _ = consume(fleet, tokens + prompt(360, 9), engine=killed, max_tokens=4)
         if details.load_failure is None:  # one that met a first-transfer stall failed closed: the next
             break
     assert details.local_hit_tokens == 0 and details.external_hit_tokens == len(tokens), details

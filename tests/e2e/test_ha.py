@@ -31,7 +31,7 @@ def ha_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict, Lo
             masters.append(LocalMaster(workdir / f"{name}.log", ha_master_flags(etcd)).start())
             masters[-1].wait_for_role("leader" if name == "master-a" else "standby")
         with running_pair(workdir, "tiny", extra_args=("--master", f"etcd://{etcd.endpoint}")) as info:
-            assert info["master"] == f"etcd://{etcd.endpoint}" and info["admin"] is None
+            assert info.master == f"etcd://{etcd.endpoint}" and info.admin is None
             yield info, masters[0], masters[1]
     finally:
         for master in reversed(masters):
@@ -41,7 +41,7 @@ def ha_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict, Lo
 
 def test_the_leader_killed_mid_run_engines_keep_answering_and_reuse_resumes(ha_pair):
     info, leader, standby = ha_pair
-    pair = {**info, "admin": leader.admin}  # the helpers wait for saves on the leader's admin port
+    pair = info.model_copy(update={"admin": leader.admin})  # the helpers wait for saves on the leader's admin port
     hits_again(pair, seed=3000)
     stored = prompt(3100, 45)
     produce(pair, stored)  # stored on the leader, never asked of the consumer yet
@@ -55,5 +55,5 @@ def test_the_leader_killed_mid_run_engines_keep_answering_and_reuse_resumes(ha_p
         assert details.external_hit_tokens == 0, details
         answered += 1
         assert answered < 200, "the standby master never took over"
-    pair = {**info, "admin": standby.admin}
+    pair = info.model_copy(update={"admin": standby.admin})
     hits_again(pair, seed=3300)  # the engines follow the new leader: a new save is loaded again

@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from .pairtools import TOLERANCE
+from .pairtools import RunningPair, TOLERANCE
 
 pytestmark = pytest.mark.e2e
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_engine(pair: dict, tmp_path: Path) -> dict[str, dict]:
+def run_engine(pair: RunningPair, tmp_path: Path) -> dict[str, dict]:
     env = {
         **os.environ,
         "VLLM_HOST_IP": "127.0.0.1",
@@ -35,7 +35,7 @@ def run_engine(pair: dict, tmp_path: Path) -> dict[str, dict]:
     log = tmp_path / "engine.log"
     with open(log, "wb") as out:
         done = subprocess.run(
-            [sys.executable, "-m", "tests.e2e.engines.prompt_embeds", pair["model"], pair["master"], pair["admin"]],
+            [sys.executable, "-m", "tests.e2e.engines.prompt_embeds", pair.model, pair.master, pair.admin],
             stdout=subprocess.PIPE,
             stderr=out,
             cwd=REPO_ROOT,

@@ -27,7 +27,7 @@ LENGTH = 77  # two full blocks of 32 and a 13-token tail; a length the other e2e
 @pytest.fixture(scope="module")
 def ready_file(pair, tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("inspect") / "ready.json"
-    path.write_text(json.dumps(pair))
+    path.write_text(json.dumps(pair.to_json()))
     return path
 
 
@@ -54,7 +54,7 @@ def test_inspect_follows_a_producer_request_and_predicts_the_consumer(pair, read
     kept, removed = prompt(401, LENGTH), prompt(402, LENGTH)
     kept_details, removed_details = produce(pair, kept), produce(pair, removed)
     namespace = kept_details.namespace
-    keys = PromptKeys.build(kept, pair["block_size"], pair["hash_unit"], namespace, RequestIdentity().root_hash())
+    keys = PromptKeys.build(kept, pair.block_size, pair.hash_unit, namespace, RequestIdentity().root_hash())
 
     # keys: the request's block and tail keys, decoded.
     listing = inspect("keys", "--pair", ready_file, "--namespace", namespace, "--limit", 100000, "--no-sizes")
@@ -83,9 +83,7 @@ def test_inspect_follows_a_producer_request_and_predicts_the_consumer(pair, read
     assert details.reused_tokens == report["hit_tokens"]
 
     # After the tail object is removed: the miss is named, and the smaller hit predicted.
-    removed_keys = PromptKeys.build(
-        removed, pair["block_size"], pair["hash_unit"], namespace, RequestIdentity().root_hash()
-    )
+    removed_keys = PromptKeys.build(removed, pair.block_size, pair.hash_unit, namespace, RequestIdentity().root_hash())
     remove(pair, removed_keys.tail_key(LENGTH))  # its pointers stay: a lookup finds them naming nothing
     removed_row = by_request[decode_key(removed_details.watermark_key).request_hash]
     query = removed + prompt(404, 10)
@@ -100,10 +98,10 @@ def test_inspect_prompt_tokenizes_text_with_the_served_models_tokenizer(pair, re
     from transformers import AutoTokenizer
 
     text = "the quick brown fox jumps over the lazy dog"
-    expected = AutoTokenizer.from_pretrained(pair["model"], local_files_only=True)(text)["input_ids"]
-    assert len(expected) % pair["block_size"], "pick a text whose token count leaves a tail"
+    expected = AutoTokenizer.from_pretrained(pair.model, local_files_only=True)(text)["input_ids"]
+    assert len(expected) % pair.block_size, "pick a text whose token count leaves a tail"
     namespace = produce(pair, prompt(405, 40)).namespace
     report = inspect("prompt", "--pair", ready_file, "--text", text, "--namespace", namespace, "--no-verify")
-    keys = PromptKeys.build(expected, pair["block_size"], pair["hash_unit"], namespace, RequestIdentity().root_hash())
+    keys = PromptKeys.build(expected, pair.block_size, pair.hash_unit, namespace, RequestIdentity().root_hash())
     assert report["prompt_tokens"] == len(expected)
     assert keys.tail_key(len(expected)) in {b["key"] for b in report["boundaries"]}

@@ -29,7 +29,7 @@ from connector.store.store import open_store
 from kvtool.client import complete
 from kvtool.procs import find_free_port, log_tail
 
-from .pairtools import HitDetails, consume, hit_details, produce, prompt, wait_save_ended
+from .pairtools import HitDetails, RunningPair, consume, hit_details, produce, prompt, wait_save_ended
 
 pytestmark = pytest.mark.e2e
 
@@ -51,11 +51,11 @@ def judging_engine(pair, tmp_path_factory) -> Iterator[dict]:
     yield from kv_both_engine(pair, tmp_path_factory.mktemp("kv-both-judging"))
 
 
-def kv_both_argv(pair: dict, port: int, faults: Path, **config: object) -> list[str]:
+def kv_both_argv(pair: RunningPair, port: int, faults: Path, **config: object) -> list[str]:
     """The `kv_both` engine's command line: the pair's model and block size, the kvtool connector on
     the pair's master with a fault plan of its own, ``config`` over its extra config."""
     extra = {
-        "master_server_address": pair["master"],
+        "master_server_address": pair.master,
         "metadata_server": "P2PHANDSHAKE",
         "protocol": "tcp",
         "local_hostname": "127.0.0.1",
@@ -76,10 +76,10 @@ def kv_both_argv(pair: dict, port: int, faults: Path, **config: object) -> list[
         "kv_connector_extra_config": extra,
     }
     flags = {
-        "--model": pair["model"],
+        "--model": pair.model,
         "--host": "127.0.0.1",
         "--port": str(port),
-        "--block-size": str(pair["block_size"]),
+        "--block-size": str(pair.block_size),
         "--max-model-len": "2048",
         "--dtype": "float32",
         "--gpu-memory-utilization": "0.2",
@@ -89,7 +89,7 @@ def kv_both_argv(pair: dict, port: int, faults: Path, **config: object) -> list[
     return [*server, *(part for flag in flags.items() for part in flag), "--enable-prompt-tokens-details"]
 
 
-def kv_both_engine(pair: dict, workdir: Path, **config: object) -> Iterator[dict]:
+def kv_both_engine(pair: RunningPair, workdir: Path, **config: object) -> Iterator[dict]:
     """Run a `kv_both` vLLM server on the pair's store and model until the generator is closed."""
     faults = workdir / "faults.json"
     port = find_free_port()
@@ -137,10 +137,10 @@ def kv_both_engine(pair: dict, workdir: Path, **config: object) -> Iterator[dict
                 process.wait(timeout=10)
 
 
-def payloads(pair: dict, tokens: list[int], namespace: str, salt: str | None) -> list[bytes | None]:
+def payloads(pair: RunningPair, tokens: list[int], namespace: str, salt: str | None) -> list[bytes | None]:
     """The payload (the KV bytes, without the header) of every object of ``tokens``' save."""
-    keys = PromptKeys.build(tokens, pair["block_size"], 1, namespace, RequestIdentity(cache_salt=salt).root_hash())
-    store = open_store(load_config({"master_server_address": pair["master"], "global_segment_size": 0}))
+    keys = PromptKeys.build(tokens, pair.block_size, 1, namespace, RequestIdentity(cache_salt=salt).root_hash())
+    store = open_store(load_config({"master_server_address": pair.master, "global_segment_size": 0}))
     try:
         values = store.get([s.key for s in plan_save(keys)])
     finally:
@@ -148,7 +148,7 @@ def payloads(pair: dict, tokens: list[int], namespace: str, salt: str | None) ->
     return [value[HEADER_SIZE:] if value else None for value in values]
 
 
-def warmed_up(pair: dict, both_engine: dict) -> bool:
+def warmed_up(pair: RunningPair, both_engine: dict) -> bool:
     """The engine loads a clean stored prompt once before the test proper; whether one load worked.
 
     A fresh Mooncake client's first transfer from a peer's segment can stall for 30-60 s and fail
@@ -159,7 +159,7 @@ def warmed_up(pair: dict, both_engine: dict) -> bool:
     for attempt in range(3):
         tokens = prompt(790 + attempt, 40)
         produce(pair, tokens)
-        answer = complete(both_engine["url"], pair["model"], tokens + prompt(795, 4), max_tokens=1)
+        answer = complete(both_engine["url"], pair.model, tokens + prompt(795, 4), max_tokens=1)
         if hit_details(answer).external_hit_tokens == len(tokens):
             return True
         time.sleep(2.0)  # past the breaker's back-off after a failed load
@@ -169,16 +169,16 @@ def warmed_up(pair: dict, both_engine: dict) -> bool:
 TRANSPORT_CAUSES = ("missing", "timeout", "store_error")  # the transfer failed before any check ran
 
 
-def corrupted_load(pair: dict, both_engine: dict, seed: int) -> tuple[list[int], HitDetails]:
+def corrupted_load(pair: RunningPair, both_engine: dict, seed: int) -> tuple[list[int], HitDetails]:
     """The engine loads a stored prefix through a fault that flips a byte of what it reads; its hit
     details. Every object it then stores for the prompt must equal a clean producer's."""
-    block = pair["block_size"]
+    block = pair.block_size
     shorter = prompt(seed, block + 8)  # one block and a tail, stored by the producer
     produced = produce(pair, shorter)
     full = shorter + prompt(seed + 1, 2 * block - 8)  # three whole blocks: every object is a full block
     both_engine["faults"].write_text(json.dumps({"corrupt_get": "flip"}))
     try:
-        answer = complete(both_engine["url"], pair["model"], full, max_tokens=1)
+        answer = complete(both_engine["url"], pair.model, full, max_tokens=1)
     finally:
         both_engine["faults"].unlink()
     details = hit_details(answer)
@@ -189,7 +189,7 @@ def corrupted_load(pair: dict, both_engine: dict, seed: int) -> tuple[list[int],
     wait_save_ended(pair, details)
 
     # A clean producer's bytes for the same tokens, under another salt (other keys, the same KV).
-    reference = complete(pair["producer"], pair["model"], full, max_tokens=1, extra={"cache_salt": "clean"})
+    reference = complete(pair.producer, pair.model, full, max_tokens=1, extra={"cache_salt": "clean"})
     wait_save_ended(pair, hit_details(reference))
     stored = payloads(pair, full, produced.namespace, None)
     expected = payloads(pair, full, produced.namespace, "clean")
@@ -229,15 +229,14 @@ def test_the_default_cost_model_is_fitted_from_the_engine_and_every_answer_stays
     this machine's timings, so the test asserts what holds either way: the model is fitted and logged,
     every hit is either taken whole, trimmed to a block, or declined with its reason, and every answer
     matches a recomputation."""
-    engine = {**pair, "judging": judging_engine["url"]}
-    block = pair["block_size"]
+    block = pair.block_size
     # First a load that works: a fresh engine's first transfers from a peer's segment can stall for a
     # minute or more (the README's known issues), and stalled loads fit nothing.
     deadline, seed = time.monotonic() + 180.0, 880
     while True:
         stored = prompt(seed, block + 10)
         produce(pair, stored)
-        details, _ = consume(engine, stored + prompt(seed + 500, 3), engine="judging", max_tokens=2)
+        details, _ = consume(pair, stored + prompt(seed + 500, 3), engine=judging_engine["url"], max_tokens=2)
         if details.load_failure is None and (details.external_hit_tokens or details.load_skipped):
             break
         assert time.monotonic() < deadline, f"no load worked in 180 s: {details}"
@@ -249,7 +248,7 @@ def test_the_default_cost_model_is_fitted_from_the_engine_and_every_answer_stays
             break
         stored = prompt(seed, block + 10)  # a block and a tail of 10 tokens
         produce(pair, stored)
-        details, _ = consume(engine, stored + prompt(seed + 500, 3), engine="judging", max_tokens=2)
+        details, _ = consume(pair, stored + prompt(seed + 500, 3), engine=judging_engine["url"], max_tokens=2)
         seen.append(details)
         if details.load_failure is not None:
             continue  # a transport stall (the README's known issues): a miss, checked by consume

@@ -58,10 +58,10 @@ def test_streamed_requests_are_attributed_through_the_request_log(pair):
     tag = "stream-attribution-1"
     # The log's lines are written off the engine's thread, a moment after the response: read as the
     # bench does, waiting for the tag (from the file's end now: a line written before is not this one).
-    reader = RequestLogReader(Path(pair["request_logs"]["consumer"]))
+    reader = RequestLogReader(Path(pair.request_logs["consumer"]))
     streamed = complete(
-        pair["consumer"],
-        pair["model"],
+        pair.consumer,
+        pair.model,
         base + prompt(7, 9),
         max_tokens=3,
         stream=True,
@@ -70,7 +70,7 @@ def test_streamed_requests_are_attributed_through_the_request_log(pair):
     assert streamed["usage"]["prompt_tokens_details"]["cached_tokens"] == 40
     record = reader.record(tag)
     assert record is not None, "no request log line carries the tag"
-    log = Path(pair["request_logs"]["consumer"]).read_text()
+    log = Path(pair.request_logs["consumer"]).read_text()
     assert sum(1 for line in log.splitlines() if f'"tag":"{tag}"' in line) == 1  # one line only
     assert (record.external_hit_tokens, record.block_hit_tokens, record.tail_hit_tokens) == (
         40,

@@ -32,7 +32,7 @@ def is_running_master(pid: int) -> bool:
 
 
 def supervisor_log(pair) -> str:
-    path = Path(pair["log_dir"]) / "supervisor.log"
+    path = Path(pair.log_dir) / "supervisor.log"
     return path.read_text() if path.exists() else "(no supervisor.log)"
 
 
@@ -105,7 +105,7 @@ def killed_master(pair, pair_master, seed: int) -> None:
     assert not is_running_master(old)
     # Once, or more when a start did not pass its health check in time on a loaded machine.
     assert pair_master.restarts() >= restarts + 1, supervisor_log(pair)
-    assert pair_master.address == pair["master"] and pair_master.ready()["admin"] == pair["admin"]
+    assert pair_master.address == pair.master and pair_master.ready().admin == pair.admin
     assert f"(pid {old}) was killed by SIGKILL" in supervisor_log(pair)
     assert f"again as pid {new}" in supervisor_log(pair)
     hits_again(pair, seed + 200)
@@ -121,8 +121,8 @@ def frozen_master(pair, pair_master, seed: int) -> None:
     decoding = threading.Thread(
         target=lambda: streamed.update(
             complete(
-                pair["consumer"],
-                pair["model"],
+                pair.consumer,
+                pair.model,
                 prompt(seed + 50, 30),
                 max_tokens=STREAM_TOKENS,
                 stream=True,

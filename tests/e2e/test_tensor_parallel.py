@@ -10,7 +10,6 @@ failed loads): a miss, never half of the heads loaded.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 
@@ -21,7 +20,7 @@ from connector.core.ranks import keys_on_every_rank
 from kvtool.store.admin import open_admin
 
 from .conftest import running_pair
-from .pairtools import consume, faults, produce_whole, remove, warm_loads
+from .pairtools import RunningPair, consume, faults, produce_whole, remove, warm_loads
 
 pytestmark = pytest.mark.e2e
 
@@ -30,7 +29,7 @@ LENGTH = 75  # two full blocks of 32 and a tail of 11: every object kind a promp
 
 
 @pytest.fixture(scope="module")
-def tp_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+def tp_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningPair]:
     # 64 MiB of store memory a rank, not 256 (these prompts need a few MiB): four workers beside the
     # session's other pairs once took the CI machine past its 24 GiB (the OOM killer took a rank).
     extra_args = ("--tensor-parallel-size", str(TP), "--segment-mib", "64")
@@ -39,14 +38,14 @@ def tp_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
         yield info
 
 
-def _keys(pair: dict, tokens: list[int], namespace: str) -> PromptKeys:
-    return PromptKeys.build(tokens, pair["block_size"], pair["hash_unit"], namespace, RequestIdentity().root_hash())
+def _keys(pair: RunningPair, tokens: list[int], namespace: str) -> PromptKeys:
+    return PromptKeys.build(tokens, pair.block_size, pair.hash_unit, namespace, RequestIdentity().root_hash())
 
 
 def test_every_rank_saves_its_share_and_a_consumer_loads_them_all(tp_pair):
     tokens, saved = produce_whole(tp_pair, 9101, LENGTH)
     assert len(saved.tp_namespaces) == TP and saved.tp_namespaces[0] == saved.namespace
-    admin = open_admin(tp_pair["admin"])
+    admin = open_admin(tp_pair.admin)
     keys = _keys(tp_pair, tokens, saved.namespace)
     for key in (keys.block_key(0), keys.block_key(1), keys.tail_key(LENGTH)):
         on_ranks = keys_on_every_rank(key, saved.tp_namespaces)
@@ -56,7 +55,7 @@ def test_every_rank_saves_its_share_and_a_consumer_loads_them_all(tp_pair):
     details, _ = consume(tp_pair, tokens)  # checked against a recomputation (logprobs)
     assert details.lookup == "hit" and details.load_failure is None
     assert details.external_hit_tokens == LENGTH - 1  # vLLM computes the last prompt token itself
-    assert details.tail_hit_tokens == LENGTH - 1 - 2 * tp_pair["block_size"]
+    assert details.tail_hit_tokens == LENGTH - 1 - 2 * tp_pair.block_size
 
 
 def test_a_prefix_one_rank_lacks_is_not_a_hit(tp_pair):
@@ -66,7 +65,7 @@ def test_a_prefix_one_rank_lacks_is_not_a_hit(tp_pair):
 
     details, _ = consume(tp_pair, tokens)
     # Rank 0 still holds the whole prompt; only the first block is stored on both ranks.
-    assert details.external_hit_tokens == tp_pair["block_size"], details
+    assert details.external_hit_tokens == tp_pair.block_size, details
 
 
 def test_a_load_that_fails_on_one_rank_only_is_recomputed(tp_pair):
