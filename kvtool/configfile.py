@@ -52,7 +52,7 @@ MOONCAKE_FILE_FIELDS = (
 )
 MOONCAKE_MODES = ("embedded", "standalone-store")
 # Fields that make a JSON object a kvtool extra config rather than a Mooncake file.
-_KVTOOL_ONLY = frozenset(KVToolConfig.model_fields) - {"mooncake"}
+_KVTOOL_ONLY = frozenset(KVToolConfig.model_fields) - {"backend"}  # the section is named "mooncake" in a file
 
 
 @dataclass(frozen=True)
