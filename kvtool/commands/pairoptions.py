@@ -1,19 +1,28 @@
 """The flags that describe a pair or a fleet (serve-pair, bench --launch), as ``PairOptions``: a
 dataclass of Typer options (``kvtool.commands.options.with_options``) that a ``--config`` file may fill
-in, and that makes the one ``ServePairConfig`` the launch builds on."""
+in, and that makes the one ``ServePairConfig`` the launch builds on.
+
+Most flags are ``ServePairConfig``'s own fields, declared there once with their type, default and help
+(``kvtool.pair.config.flag``) and turned into options here (``_field_flags``); a field that is a
+``Literal`` is a string flag whose value ``check`` holds to the Literal's choices (one sentence, from
+the command line or a ``--config`` file alike).
+What is left here are the flags of another shape than their field (``_ShapedFlags``): a model by path
+or by preset, a master to use instead of one kvtool starts, sizes in MiB, a port per engine, the file.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, get_args
+from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args, get_origin
 
 import typer
 
 from kvtool.commands.output import say
 from kvtool.errors import UserError
-from kvtool.pair.config import RolesChoice, RouterPolicy, StoreChoice
+from kvtool.pair.config import StoreChoice, flag_fields
 
 if TYPE_CHECKING:
     from kvtool.pair.config import ServePairConfig
@@ -21,8 +30,6 @@ if TYPE_CHECKING:
 # ---- the pair: serve-pair and bench --launch ------------------------------------------------
 
 PAIR_PANEL = "Pair (serve-pair, bench --launch)"
-ROLES_CHOICES = get_args(RolesChoice)  # declared once, with ServePairConfig
-ROUTER_POLICIES = get_args(RouterPolicy)
 STORE_CHOICES = get_args(StoreChoice)
 
 
@@ -42,8 +49,9 @@ def _pair(help_text: str, *names: str, hidden: bool = False) -> Any:
 
 
 @dataclass(frozen=True)
-class PairOptions:
-    """The flags that describe a producer/consumer pair; ``config`` makes its ServePairConfig."""
+class _ShapedFlags:
+    """The pair's flags whose shape is not their ``ServePairConfig`` field's; with the fields' own flags
+    (``PairOptions``), ``config`` makes the ServePairConfig."""
 
     model: Annotated[
         Path | None,
@@ -58,27 +66,11 @@ class PairOptions:
         ),
     ] = "tiny"
     model_size: Annotated[str | None, _pair("deprecated name of --model-preset", "--model-size", hidden=True)] = None
-    producer_port: Annotated[int, _pair("producer vLLM server port on 127.0.0.1")] = 8100
-    consumer_port: Annotated[int, _pair("consumer vLLM server port on 127.0.0.1")] = 8200
-    master_port: Annotated[int, _pair("RPC port of the mooncake_master kvtool starts")] = 50051
-    admin_port: Annotated[
-        int, _pair("the master's metrics/admin HTTP port (with --master: that master's admin port)")
-    ] = 9003
     master: Annotated[
         str | None,
         _pair(
             "HOST:PORT of a running mooncake_master to use instead of starting one, or etcd://HOST:PORT[;...] of a "
             "master group in high-availability mode (not supervised)"
-        ),
-    ] = None
-    store_port: Annotated[int, _pair("service port of the standalone store (--store standalone)")] = 50052
-    block_size: Annotated[int, _pair("vLLM KV block size in tokens (a multiple of 32 on the CPU)")] = 32
-    hash_unit: Annotated[int, _pair("tail boundary grid in tokens for the kvtool connector (1 = exact)")] = 1
-    divergence_grid: Annotated[
-        int | None,
-        _pair(
-            "pointer grid in tokens inside stored objects (kvtool connector): a prompt that leaves a stored "
-            "one finds their common prefix rounded down to it; 1 = exact, 0 = off \\[default: block size / 4]"
         ),
     ] = None
     take_every_hit: Annotated[
@@ -100,55 +92,13 @@ class PairOptions:
             "there every engine would serve the others' transfers from its own segment, on its own cores]"
         ),
     ] = None
-    connector: Annotated[
-        str,
-        _pair(
-            "kvtool (partial-tail connector), vllm-mooncake-store (vLLM's in-tree, whole blocks only), lmcache "
-            "(LMCache's multiprocess server, whole chunks of a block; scripts/setup --with-lmcache) or none"
-        ),
-    ] = "kvtool"
-    roles: Annotated[
-        str,
-        _pair(
-            "pd: the producer saves (kv_producer) and the consumer loads (kv_consumer); both: each engine "
-            "loads and saves (kv_both), and saves its answers at request end. Needs a connector (kvtool or "
-            "vllm-mooncake-store)"
-        ),
-    ] = "pd"
     log_dir: Annotated[
         Path | None, _pair("where the processes' logs go \\[default: ./logs/serve-pair-<timestamp>]")
     ] = None
-    kv_cache_gib: Annotated[float, _pair("KV cache per engine, GiB (VLLM_CPU_KVCACHE_SPACE)")] = 1.0
     segment_mib: Annotated[
         int,
         _pair("store memory each engine lends with --store embedded, MiB (a small one puts the store under pressure)"),
     ] = 256
-    memory_utilization: Annotated[
-        float, _pair("--gpu-memory-utilization per engine; small because two engines start together")
-    ] = 0.3
-    dtype: Annotated[str, _pair("vLLM --dtype (float32 keeps logprob comparisons exact)")] = "float32"
-    enforce_eager: Annotated[bool, _pair("pass --enforce-eager to vLLM (no compilation)")] = False
-    tensor_parallel_size: Annotated[
-        int,
-        _pair(
-            "vLLM --tensor-parallel-size of each engine; each rank saves and loads its share of the KV under "
-            "keys of its own, and a consumer loads what a producer of the same size saved"
-        ),
-    ] = 1
-    attention_backend: Annotated[
-        str | None,
-        _pair(
-            "vLLM --attention-backend (e.g. FLASH_ATTN, TRITON_ATTN); on a GPU the kvtool connector needs it "
-            "named, so that its keys carry the KV layout \\[default: vLLM's choice]"
-        ),
-    ] = None
-    max_num_batched_tokens: Annotated[
-        int | None,
-        _pair(
-            "vLLM --max-num-batched-tokens per engine: a prompt longer than it is prefilled in chunks "
-            "\\[default: the model preset's, else vLLM's]"
-        ),
-    ] = None
     startup_timeout: Annotated[float, _pair("seconds to wait for both servers to be healthy")] = 300.0
     config_file: Annotated[
         Path | None,
@@ -158,42 +108,9 @@ class PairOptions:
             "--config",
         ),
     ] = None
-    engines: Annotated[
-        int,
-        _pair(
-            "a fleet instead of the pair: this many vLLM engines, each kv_both (it saves its prompts and answers "
-            "and loads from the store), behind vLLM's router (vllm-router) on --router-port; requests go to the "
-            "router. 0: the producer / consumer pair"
-        ),
-    ] = 0
     engine_port: Annotated[
         list[int] | None,
         _pair("a fleet engine's port, once per engine, in order \\[default: --producer-port + the engine's index]"),
-    ] = None
-    router_port: Annotated[int, _pair("a fleet's router port on 127.0.0.1 (--engines)")] = 8000
-    router_metrics_port: Annotated[int, _pair("a fleet's router Prometheus port on 127.0.0.1")] = 29000
-    router_policy: Annotated[
-        str,
-        _pair(
-            "how the router picks an engine: round_robin, random, power_of_two, consistent_hash, cache_aware "
-            "(the router's own prefix tree), sticky_least_loaded or kv_aware (what each engine's cache holds, "
-            "from the KV events it publishes on --kv-events-port)"
-        ),
-    ] = "round_robin"
-    kv_events_port: Annotated[
-        int, _pair("with --router-policy kv_aware: engine i publishes its KV events on 127.0.0.1 at this port + i")
-    ] = 5557
-    restart_engines: Annotated[
-        bool,
-        _pair(
-            "a fleet's engine that ends or hangs is started again on its port and rejoins the router's rotation "
-            "once warm with the store; --no-restart-engines lets it go and the rest serve on",
-            "--restart-engines/--no-restart-engines",
-        ),
-    ] = True
-    fault_control_file: Annotated[
-        Path | None,
-        _pair("testing only: a fault plan file (connector/faults.py) the kvtool connectors re-read", hidden=True),
     ] = None
 
     @property
@@ -208,7 +125,7 @@ class PairOptions:
     def preset(self) -> str:
         return self.model_size if self.model_size is not None else self.model_preset
 
-    def with_file(self, given: set[str] = frozenset()) -> PairOptions:  # type: ignore[assignment]
+    def with_file(self, given: set[str] = frozenset()) -> Any:  # type: ignore[assignment]
         """These options with the ``--config`` file's fields filled in, except those in ``given`` (flags
         given on the command line win); a UserError naming a bad field."""
         if self.config_file is None:
@@ -230,7 +147,7 @@ class PairOptions:
                 values[name] = str(path.parent / value) if name in _PATH_FIELDS and isinstance(value, str) else value
         merged = {**{item.name: getattr(self, item.name) for item in fields(self)}, **values}
         try:
-            options = TypeAdapter(PairOptions).validate_python(merged)
+            options = TypeAdapter(type(self)).validate_python(merged)
         except ValidationError as exc:
             first = exc.errors()[0]
             raise UserError(f"{path}: field {str(first['loc'][0]).replace('_', '-')!r}: {first['msg']}") from None
@@ -242,20 +159,14 @@ class PairOptions:
 
     def check(self) -> None:
         """The flags' values, checked without any I/O; a UserError naming the flag."""
-        from kvtool.pair.profiles import CONNECTOR_NAMES
         from kvtool.model import PRESETS
 
         if self.max_num_batched_tokens is not None and self.model is None and self.preset == "mamba":
             raise UserError("--max-num-batched-tokens: the mamba preset prefills in chunks of its Mamba block (64)")
         if self.model_size is not None and self.model_preset not in ("tiny", self.model_size):
             raise UserError("--model-size is the old name of --model-preset; give one of them")
-        choices = {
-            "model-preset": (self.preset, tuple(PRESETS)),
-            "store": (self.chosen_store, STORE_CHOICES),
-            "connector": (self.connector, CONNECTOR_NAMES),
-            "roles": (self.roles, ROLES_CHOICES),
-            "router-policy": (self.router_policy, ROUTER_POLICIES),
-        }
+        choices = {"model-preset": (self.preset, tuple(PRESETS)), "store": (self.chosen_store, STORE_CHOICES)}
+        choices.update({name.replace("_", "-"): (getattr(self, name), allowed) for name, allowed in _CHOICES.items()})
         for flag, (value, allowed) in choices.items():
             if value not in allowed:
                 raise UserError(f"--{flag} {value!r} is not one of: {', '.join(allowed)}")
@@ -294,45 +205,25 @@ class PairOptions:
             takes_every_hit = preset.takes_every_hit
             kv_block_size = preset.kv_block_size_for(self.block_size)
             state_model = preset.is_hybrid
+        flags = {name: getattr(self, name) for name in flag_fields()}  # the fields' own flags, as given
+        if flags["fault_control_file"] is not None:
+            flags["fault_control_file"] = flags["fault_control_file"].resolve()
         try:
             return ServePairConfig(
+                **flags,
                 model=model.expanduser().resolve(),
-                producer_port=self.producer_port,
-                consumer_port=self.consumer_port,
-                master_port=self.master_port,
-                admin_port=self.admin_port,
                 external_master=self.master,
-                store_port=self.store_port,
-                block_size=self.block_size,
-                hash_unit=self.hash_unit,
-                divergence_grid=self.divergence_grid,
                 take_every_hit=takes_every_hit if self.take_every_hit is None else self.take_every_hit,
                 store=self.chosen_store,
-                connector=self.connector,
-                roles=self.roles,
                 log_dir=(self.log_dir or default_log_dir()).resolve(),
                 ready_file=ready_file.resolve() if ready_file else None,
-                kv_cache_gib=self.kv_cache_gib,
                 segment_bytes=self.segment_mib << 20,
-                memory_utilization=self.memory_utilization,
-                dtype=self.dtype,
-                enforce_eager=self.enforce_eager,
-                tensor_parallel_size=self.tensor_parallel_size,
-                attention_backend=self.attention_backend,
-                max_num_batched_tokens=self.max_num_batched_tokens,
                 startup_timeout_s=self.startup_timeout,
-                fault_control_file=self.fault_control_file.resolve() if self.fault_control_file else None,
                 engine_args=engine_args,
                 saving_engine_args=saving_engine_args,
                 kv_block_size=kv_block_size,
                 state_model=state_model,
-                engines=self.engines,
                 engine_ports=tuple(self.engine_port or ()),
-                router_port=self.router_port,
-                router_metrics_port=self.router_metrics_port,
-                router_policy=self.router_policy,
-                kv_events_port=self.kv_events_port,
-                restart_engines=self.restart_engines,
             )
         except ValidationError as exc:
             first = exc.errors()[0]
@@ -340,3 +231,26 @@ class PairOptions:
             flag = _FLAG_OF_FIELD.get(name, "--" + name.replace("_", "-"))
             where = f" (given on the command line or in {self.config_file})" if self.config_file and file_hint else ""
             raise UserError(f"{flag}{where}: {first['msg']}") from None
+
+
+# A Literal field's flag -> its choices (``check``).
+_CHOICES: dict[str, tuple[str, ...]] = {
+    name: get_args(info.annotation) for name, info in flag_fields().items() if get_origin(info.annotation) is Literal
+}
+
+
+def _field_flags() -> list[tuple[str, Any, Any]]:
+    """``ServePairConfig``'s ``flag`` fields as dataclass fields whose annotations carry their Typer options
+    (a Literal as a string: ``check`` names its choices)."""
+    made = []
+    for name, info in flag_fields().items():
+        option = _pair(info.description or "", hidden=info.json_schema_extra["flag"] == "hidden")  # type: ignore[index]
+        kind = str if name in _CHOICES else info.annotation
+        made.append((name, Annotated[kind, option], dataclasses.field(default=info.default)))
+    return made
+
+
+PairOptions = dataclasses.make_dataclass("PairOptions", _field_flags(), bases=(_ShapedFlags,), frozen=True)
+PairOptions.__module__ = __name__
+PairOptions.__doc__ = """The flags that describe a producer/consumer pair or a fleet: ``ServePairConfig``'s flag fields
+and the shaped flags (``_ShapedFlags``); ``config`` makes its ServePairConfig."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -40,62 +40,125 @@ GiB = 1 << 30
 CPU_BLOCK_MULTIPLE = 32  # vLLM's CPU attention backend only takes multiples of 32
 
 
+def flag(default: Any, help_text: str, *, hidden: bool = False, **constraints: Any) -> Any:
+    """A field that is also a flag of ``serve-pair`` and ``bench --launch``, named after it
+    (``producer_port``: ``--producer-port``), with ``help_text`` as its help: ``kvtool.commands.pairoptions``
+    builds the option from the field, so its name, type, default and help are declared here once."""
+    shown = "hidden" if hidden else "shown"
+    return Field(default=default, description=help_text, json_schema_extra={"flag": shown}, **constraints)
+
+
+def flag_fields() -> dict[str, Any]:
+    """``ServePairConfig``'s fields that are flags (``flag``), in declaration order: name -> field info."""
+    return {
+        name: info
+        for name, info in ServePairConfig.model_fields.items()
+        if isinstance(info.json_schema_extra, dict) and "flag" in info.json_schema_extra
+    }
+
+
 class ServePairConfig(BaseModel):
-    """Everything `kvtool serve-pair` needs; one object, validated once."""
+    """Everything `kvtool serve-pair` needs; one object, validated once. The fields declared with ``flag``
+    are the command's flags too; the others are set from flags of another shape (``--master``,
+    ``--segment-mib``, ``--startup-timeout``, ``--engine-port``, the model's) or from the model preset."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     model: Path
-    producer_port: int = Field(default=8100, ge=1, le=65535)
-    consumer_port: int = Field(default=8200, ge=1, le=65535)
-    master_port: int = Field(default=50051, ge=1, le=65535)
-    admin_port: int = Field(default=9003, ge=1, le=65535)
+    producer_port: int = flag(8100, "producer vLLM server port on 127.0.0.1", ge=1, le=65535)
+    consumer_port: int = flag(8200, "consumer vLLM server port on 127.0.0.1", ge=1, le=65535)
+    master_port: int = flag(50051, "RPC port of the mooncake_master kvtool starts", ge=1, le=65535)
+    admin_port: int = flag(
+        9003, "the master's metrics/admin HTTP port (with --master: that master's admin port)", ge=1, le=65535
+    )
     external_master: str | None = None  # host:port of a master kvtool does not start, or etcd://... of an HA group
-    store_port: int = Field(default=50052, ge=1, le=65535)  # the standalone mooncake_client's service port
-    block_size: int = Field(default=32, gt=0)
-    hash_unit: int = Field(default=1, gt=0)
-    divergence_grid: int | None = Field(default=None, ge=0)  # None: the connector's auto (a quarter block)
+    store_port: int = flag(50052, "service port of the standalone store (--store standalone)", ge=1, le=65535)
+    block_size: int = flag(32, "vLLM KV block size in tokens (a multiple of 32 on the CPU)", gt=0)
+    hash_unit: int = flag(1, "tail boundary grid in tokens for the kvtool connector (1 = exact)", gt=0)
+    divergence_grid: int | None = flag(
+        None,
+        "pointer grid in tokens inside stored objects (kvtool connector): a prompt that leaves a stored one finds "
+        "their common prefix rounded down to it; 1 = exact, 0 = off \\[default: block size / 4]",
+        ge=0,
+    )
     take_every_hit: bool = False  # the kvtool connector's cost model off (generated models: see PairOptions)
     store: StoreChoice = "embedded"
-    connector: ConnectorChoice = "kvtool"
-    roles: RolesChoice = "pd"
+    connector: ConnectorChoice = flag(
+        "kvtool",
+        "kvtool (partial-tail connector), vllm-mooncake-store (vLLM's in-tree, whole blocks only), lmcache "
+        "(LMCache's multiprocess server, whole chunks of a block; scripts/setup --with-lmcache) or none",
+    )
+    roles: RolesChoice = flag(
+        "pd",
+        "pd: the producer saves (kv_producer) and the consumer loads (kv_consumer); both: each engine loads and "
+        "saves (kv_both), and saves its answers at request end. Needs a connector (kvtool or vllm-mooncake-store)",
+    )
     log_dir: Path
     ready_file: Path | None = None
-    dtype: str = "float32"  # vLLM's "auto" would downcast the float32 test models to bf16
+    dtype: str = flag("float32", "vLLM --dtype (float32 keeps logprob comparisons exact)")
     max_model_len: int = Field(default=2048, gt=0)
-    kv_cache_gib: float = 1.0  # VLLM_CPU_KVCACHE_SPACE per engine (preflight checks it for the CPU backend)
-    # --gpu-memory-utilization per engine; two start side by side
-    memory_utilization: float = Field(default=0.3, gt=0, le=1)
-    enforce_eager: bool = False
-    tensor_parallel_size: int = Field(default=1, ge=1)  # per engine; each rank saves and loads its own KV
-    attention_backend: str | None = None  # vLLM --attention-backend; on a GPU the connector needs it named
-    # vLLM's prefill chunk (--max-num-batched-tokens); None: the preset's, else vLLM's default.
-    max_num_batched_tokens: int | None = Field(default=None, gt=0)
+    kv_cache_gib: float = flag(1.0, "KV cache per engine, GiB (VLLM_CPU_KVCACHE_SPACE)")
+    memory_utilization: float = flag(
+        0.3, "--gpu-memory-utilization per engine; small because two engines start together", gt=0, le=1
+    )
+    enforce_eager: bool = flag(False, "pass --enforce-eager to vLLM (no compilation)")
+    tensor_parallel_size: int = flag(
+        1,
+        "vLLM --tensor-parallel-size of each engine; each rank saves and loads its share of the KV under keys of "
+        "its own, and a consumer loads what a producer of the same size saved",
+        ge=1,
+    )
+    attention_backend: str | None = flag(
+        None,
+        "vLLM --attention-backend (e.g. FLASH_ATTN, TRITON_ATTN); on a GPU the kvtool connector needs it named, "
+        "so that its keys carry the KV layout \\[default: vLLM's choice]",
+    )
+    max_num_batched_tokens: int | None = flag(
+        None,
+        "vLLM --max-num-batched-tokens per engine: a prompt longer than it is prefilled in chunks \\[default: the "
+        "model preset's, else vLLM's]",
+        gt=0,
+    )
     segment_bytes: int = Field(default=256 * MiB, gt=0)  # what each engine lends the store (embedded)
     local_buffer_bytes: int = Field(default=64 * MiB, gt=0)
     store_segment_bytes: int = Field(default=1 * GiB, gt=0)  # what the standalone store holds
     startup_timeout_s: float = Field(default=300.0, gt=0)
-    # Testing only: a fault plan file (connector/faults.py) the kvtool connectors read while they run.
-    fault_control_file: Path | None = None
+    fault_control_file: Path | None = flag(
+        None, "testing only: a fault plan file (connector/store/faults.py) the kvtool connectors re-read", hidden=True
+    )
     # What a model preset needs (kvtool/model.py): extra vLLM flags, and the KV block size the engines
     # end up with when vLLM raises --block-size (a Mamba hybrid aligns it to its state page).
     engine_args: tuple[str, ...] = ()
     saving_engine_args: tuple[str, ...] = ()  # instead of engine_args, for an engine that saves KV
     kv_block_size: int | None = None
     state_model: bool = False  # the model has Mamba state groups (the connector profile may add flags)
-    # A fleet: this many engines, each kv_both (saving its prompts and answers, loading from the store),
-    # behind vLLM's router; 0: the producer / consumer pair. Engine i listens on engine_ports[i], or
-    # on producer_port + i.
-    engines: int = Field(default=0, ge=0)
-    engine_ports: tuple[int, ...] = ()
-    router_port: int = Field(default=8000, ge=1, le=65535)
-    router_metrics_port: int = Field(default=29000, ge=1, le=65535)
-    router_policy: RouterPolicy = "round_robin"
-    # kv_aware: engine i publishes vLLM's KV events (blocks stored and removed) on 127.0.0.1:kv_events_port + i.
-    kv_events_port: int = Field(default=5557, ge=1, le=65535)
-    # A fleet's engine that ends or hangs is started again and rejoins the router's rotation once warm
-    # (kvtool.pair.members); False: it is let go and the rest serve on.
-    restart_engines: bool = True
+    engines: int = flag(
+        0,
+        "a fleet instead of the pair: this many vLLM engines, each kv_both (it saves its prompts and answers and "
+        "loads from the store), behind vLLM's router (vllm-router) on --router-port; requests go to the router. "
+        "0: the producer / consumer pair",
+        ge=0,
+    )
+    engine_ports: tuple[int, ...] = ()  # engine i listens on engine_ports[i], or on producer_port + i
+    router_port: int = flag(8000, "a fleet's router port on 127.0.0.1 (--engines)", ge=1, le=65535)
+    router_metrics_port: int = flag(29000, "a fleet's router Prometheus port on 127.0.0.1", ge=1, le=65535)
+    router_policy: RouterPolicy = flag(
+        "round_robin",
+        "how the router picks an engine: round_robin, random, power_of_two, consistent_hash, cache_aware (the "
+        "router's own prefix tree), sticky_least_loaded or kv_aware (what each engine's cache holds, from the KV "
+        "events it publishes on --kv-events-port)",
+    )
+    kv_events_port: int = flag(
+        5557,
+        "with --router-policy kv_aware: engine i publishes its KV events on 127.0.0.1 at this port + i",
+        ge=1,
+        le=65535,
+    )
+    restart_engines: bool = flag(
+        True,
+        "a fleet's engine that ends or hangs is started again on its port and rejoins the router's rotation once "
+        "warm with the store (kvtool.pair.members); --no-restart-engines lets it go and the rest serve on",
+    )
 
     @property
     def effective_block_size(self) -> int:
