@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from collections.abc import Callable
+from functools import partial
+from pathlib import Path
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -12,30 +13,13 @@ from kvtool.pair.profiles import CONNECTOR_NAMES
 from kvtool.errors import UserError
 from kvtool.verify import DEFAULT_LOGPROB_TOLERANCE
 
-from .workloads import TRACE_PREFIX, WORKLOADS, TraceReplay, Workload, workload_names
-from .workloads.prefix_repetition import PrefixRepetition
+from .workloads import TRACE_PREFIX, WORKLOADS, TraceReplay, Workload, with_options, workload_names
 
 _Model = TypeVar("_Model", bound=BaseModel)
 
 CONNECTORS: tuple[str, ...] = CONNECTOR_NAMES
 DEFAULT_WORKLOADS = ("sub-block",)
 TOP_LOGPROBS = 5
-
-
-class TraceOptions(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    block_tokens: int = Field(default=16, gt=0, description="tokens one 512-token trace block becomes")
-    start: int = Field(default=0, ge=0, description="first trace line to replay (0-based)")
-    requests: int | None = Field(default=None, gt=0, description="trace requests to replay [default: --requests]")
-
-
-class PrefixRepetitionOptions(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    prefix_len: int = Field(default=80, gt=0)
-    suffix_len: int = Field(default=24, gt=0)
-    num_prefixes: int = Field(default=2, gt=0)
 
 
 class BenchConfig(BaseModel):
@@ -49,8 +33,8 @@ class BenchConfig(BaseModel):
     seed: int = 0
     verify: bool = True
     tolerance: float = Field(default=DEFAULT_LOGPROB_TOLERANCE, gt=0)
-    trace: TraceOptions = TraceOptions()
-    prefix_repetition: PrefixRepetitionOptions = PrefixRepetitionOptions()
+    # A workload's own flags (``Workload.Options``) by its name; a workload not named has its defaults.
+    workload_options: dict[str, Any] = {}
     durability_timeout_s: float = Field(default=30.0, gt=0)
     request_timeout_s: float = Field(default=300.0, gt=0)
     # Seconds between the end of one request and the start of the next (a durability wait counts): on one
@@ -61,20 +45,23 @@ class BenchConfig(BaseModel):
     # --compare with every pair up at once, each step sent to every pair in turn (kvtool/bench/interleave.py).
     interleave: bool = False
 
+    def options_of(self, workload: type[Workload]) -> BaseModel | None:
+        """``workload``'s own flags (its ``Options``, defaults where not given), or None without any."""
+        if workload.Options is None:
+            return None
+        given = self.workload_options.get(workload.name)
+        return given if given is not None else workload.Options()
+
     @classmethod
     def from_options(cls, **options: Any) -> BenchConfig:
-        """The config for the CLI's flags (``trace_*`` and the prefix-repetition flags grouped); a
-        UserError naming the first bad flag otherwise."""
-        trace = {name: options.pop(f"trace_{name}") for name in ("block_tokens", "start", "requests")}
-        repetition = {name: options.pop(name) for name in ("prefix_len", "suffix_len", "num_prefixes")}
-        return _checked(
-            "",
-            lambda: cls(
-                **options,
-                trace=_checked("trace-", lambda: TraceOptions(**trace)),
-                prefix_repetition=_checked("", lambda: PrefixRepetitionOptions(**repetition)),
-            ),
-        )
+        """The config for the CLI's flags (each workload's own flags grouped by workload); a UserError
+        naming the first bad flag otherwise."""
+        grouped = {}
+        for workload in with_options():
+            assert workload.Options is not None
+            given = {name: options.pop(name) for name in workload.Options.model_fields if name in options}
+            grouped[workload.name] = _checked("", partial(workload.Options, **given))
+        return _checked("", lambda: cls(**options, workload_options=grouped))
 
 
 def _checked(prefix: str, build: Callable[[], _Model]) -> _Model:
@@ -92,11 +79,7 @@ def build_workload(spec: str, config: BenchConfig) -> Workload:
         path = Path(spec[len(TRACE_PREFIX) :]).expanduser()
         if not path.is_file():
             raise UserError(f"trace file {path} does not exist or is not a file; give --workload trace:PATH")
-        return TraceReplay(
-            path=path, block_tokens=config.trace.block_tokens, start=config.trace.start, count=config.trace.requests
-        )
-    if spec == PrefixRepetition.name:
-        return PrefixRepetition(**config.prefix_repetition.model_dump())
+        return TraceReplay.from_options(config.options_of(TraceReplay), path=path)
     if spec not in WORKLOADS:
         raise UserError(f"unknown workload {spec!r}; pick from: {', '.join(workload_names())}")
-    return WORKLOADS[spec]()
+    return WORKLOADS[spec].from_options(config.options_of(WORKLOADS[spec]))

@@ -12,6 +12,7 @@ from kvtool.commands.output import OutputOptions
 from kvtool.commands.pairoptions import PairOptions
 from kvtool.commands.output import check_writable, user_errors_exit
 from kvtool.bench.flags import WorkloadFlags
+from kvtool.bench.workloads import workload_names
 from kvtool.load.options import LoadOptions
 
 
@@ -35,8 +36,7 @@ def bench_command(
         typer.Option(
             "--workload",
             "-w",
-            help="sub-block, cross-block, shared-prefix, multi-turn, chat, max-tokens-1, prefix-repetition or "
-            "trace:PATH; repeat for several \\[default: sub-block]",
+            help=f"{', '.join(workload_names())}; repeat for several \\[default: sub-block]",
         ),
     ] = None,
     requests: Annotated[int, typer.Option(help="consumer requests per workload")] = 8,

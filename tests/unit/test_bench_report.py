@@ -270,7 +270,8 @@ def test_bench_flags_map_to_the_config_and_a_bad_one_is_named():
         num_prefixes=2,
     )
     config = BenchConfig.from_options(**options)
-    assert config.trace.start == 4 and config.quiet_s == 0.0 and config.prefix_repetition.prefix_len == 80
+    trace, repetition = config.workload_options["trace"], config.workload_options["prefix-repetition"]
+    assert trace.trace_start == 4 and config.quiet_s == 0.0 and repetition.prefix_len == 80
     with pytest.raises(UserError, match="--trace-block-tokens"):
         BenchConfig.from_options(**{**options, "trace_block_tokens": 0})
     with pytest.raises(UserError, match="--quiet-s"):

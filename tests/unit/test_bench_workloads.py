@@ -9,7 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtool.bench.config import BenchConfig, TraceOptions, build_workload
+from kvtool.bench.config import BenchConfig, build_workload
+from kvtool.bench.workloads.prefix_repetition import PrefixRepetitionOptions
+from kvtool.bench.workloads.trace import TraceOptions
 from kvtool.bench.oracle import common_prefix_length, ideal_hits
 from kvtool.bench.workloads import WORKLOADS
 from kvtool.bench.workloads.base import FIRST_TOKEN_ID, WorkloadShape, longest_prompts, prompts_known
@@ -88,7 +90,8 @@ def test_max_tokens_1_producer_prefills_what_the_consumer_continues():
 
 
 def test_prefix_repetition_has_the_datasets_shape():
-    config = BenchConfig.model_validate({"prefix_repetition": {"prefix_len": 40, "suffix_len": 9, "num_prefixes": 3}})
+    options = PrefixRepetitionOptions(prefix_len=40, suffix_len=9, num_prefixes=3)
+    config = BenchConfig(workload_options={"prefix-repetition": options})
     steps = build_workload("prefix-repetition", config).steps(SHAPE)
     assert all(len(step.prompt) == 49 for step in steps)
     prefixes = {step.prompt[:40] for step in steps}
@@ -200,7 +203,7 @@ def test_scaled_prompt_length_follows_the_block_scale(length, block_tokens):
 def test_the_real_trace_file_replays():
     # The last 24 requests of the workplace's shared trace, kept in the repository (tests/data/README.md).
     trace = Path(__file__).resolve().parents[1] / "data" / "mooncake_synthetic_trace_tail.jsonl"
-    config = BenchConfig(trace=TraceOptions(start=0, requests=24))
+    config = BenchConfig(workload_options={"trace": TraceOptions(trace_start=0, trace_requests=24)})
     steps = build_workload(f"trace:{trace}", config).steps(SHAPE)
     assert len(consumer_steps(steps)) == 24
 

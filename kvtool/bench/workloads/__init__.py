@@ -24,6 +24,7 @@ __all__ = [
     "TRACE_PREFIX",
     "TraceReplay",
     "workload_names",
+    "with_options",
 ]
 
 WORKLOADS: dict[str, type[Workload]] = {
@@ -34,3 +35,8 @@ TRACE_PREFIX = "trace:"
 
 def workload_names() -> list[str]:
     return [*WORKLOADS, f"{TRACE_PREFIX}PATH"]
+
+
+def with_options() -> list[type[Workload]]:
+    """The workloads that have flags of their own (``Workload.Options``), the trace replay's included."""
+    return [cls for cls in (*WORKLOADS.values(), TraceReplay) if cls.Options is not None]

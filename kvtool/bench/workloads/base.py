@@ -15,7 +15,10 @@ import random
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
 
 Target = Literal["producer", "consumer"]
 FIRST_TOKEN_ID = 3  # ids 0, 1, 2 are <unk>, <s>, </s> in kvtool's generated models
@@ -113,6 +116,15 @@ class WorkloadShape:
 class Workload(ABC):
     name: ClassVar[str]
     description: ClassVar[str]
+    # The workload's own flags of ``kvtool bench``, if it has any: a pydantic model whose fields are the
+    # flags by name (``prefix_len``: ``--prefix-len``) with their defaults, bounds and help
+    # (``kvtool.bench.flags`` makes the options from it, ``BenchConfig`` checks them).
+    Options: ClassVar[type[BaseModel] | None] = None
+
+    @classmethod
+    def from_options(cls, options: BaseModel | None, **given: Any) -> Workload:
+        """The workload its flags (an ``Options``, or None without) and ``given`` describe."""
+        return cls(**given) if options is None else cls(**options.model_dump(), **given)
 
     @abstractmethod
     def steps(self, shape: WorkloadShape) -> list[Step]:

@@ -9,16 +9,32 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from .base import Step, StepList, Workload, WorkloadShape, random_tokens, workload_rng
+
+
+class PrefixRepetitionOptions(BaseModel):
+    """Its flags of ``kvtool bench``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    prefix_len: int = Field(default=80, gt=0, description="tokens of each shared prefix")
+    suffix_len: int = Field(default=24, gt=0, description="tokens after the prefix")
+    num_prefixes: int = Field(default=2, gt=0, description="distinct prefixes")
+
+
+_DEFAULT = PrefixRepetitionOptions()
 
 
 @dataclass
 class PrefixRepetition(Workload):
     name = "prefix-repetition"
     description = "vLLM's prefix_repetition dataset: prefix len, suffix len, num prefixes, output len"
-    prefix_len: int = 80
-    suffix_len: int = 24
-    num_prefixes: int = 2
+    Options = PrefixRepetitionOptions
+    prefix_len: int = _DEFAULT.prefix_len
+    suffix_len: int = _DEFAULT.suffix_len
+    num_prefixes: int = _DEFAULT.num_prefixes
 
     def steps(self, shape: WorkloadShape) -> list[Step]:
         rng = workload_rng(self.name, shape.seed)

@@ -17,6 +17,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from kvtool.errors import UserError
 
@@ -97,14 +100,37 @@ def scaled_prompt(request: TraceRequest, block_tokens: int, block_content: dict[
     return prompt
 
 
+class TraceOptions(BaseModel):
+    """Its flags of ``kvtool bench`` (``--trace-start`` and ``--trace-block-tokens`` shape a load test's
+    trace too)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    trace_block_tokens: int = Field(default=16, gt=0, description="tokens one 512-token trace block becomes")
+    trace_start: int = Field(default=0, ge=0, description="first trace line to replay (0-based)")
+    trace_requests: int | None = Field(
+        default=None, gt=0, description="trace requests to replay \\[default: --requests]"
+    )
+
+
+_DEFAULT = TraceOptions()
+
+
 @dataclass
 class TraceReplay(Workload):
     name = "trace"
     description = "replay of a Mooncake FAST'25 trace (trace:PATH)"
+    Options = TraceOptions
     path: Path = field(default_factory=Path)
-    block_tokens: int = 16  # tokens one 512-token trace block becomes
-    start: int = 0  # first trace line (0-based)
-    count: int | None = None  # requests to replay; None: the shape's request count
+    block_tokens: int = _DEFAULT.trace_block_tokens
+    start: int = _DEFAULT.trace_start
+    count: int | None = _DEFAULT.trace_requests  # requests to replay; None: the shape's request count
+
+    @classmethod
+    def from_options(cls, options: BaseModel | None, **given: Any) -> TraceReplay:
+        """The replay of ``given["path"]`` with the trace flags."""
+        flags = options if isinstance(options, TraceOptions) else _DEFAULT
+        return cls(block_tokens=flags.trace_block_tokens, start=flags.trace_start, count=flags.trace_requests, **given)
 
     def label(self) -> str:
         return f"trace:{self.path.name}"
