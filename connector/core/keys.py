@@ -49,7 +49,7 @@ class Namespace:
     cache_group: int = 0  # always 0 since schema 2: the key and the object header carry the group
     weights_digest: str = ""
     # Digest of everything else about the model that changes KV bytes for the same tokens
-    # (connector.core.identity.model_identity: quantization, revisions, hf_overrides, rope, KV cache
+    # (connector.core.modelidentity.model_identity: quantization, revisions, hf_overrides, rope, KV cache
     # dtype, config files, weight file stats). Empty: not known (left out of the fingerprint, so a
     # namespace without it keeps the fingerprint it had before the field existed).
     model_identity: str = ""

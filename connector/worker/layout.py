@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..core.groups import CacheGroup, GroupKind, describe_groups
-from ..core.identity import model_identity
+from ..core.modelidentity import model_identity
 from ..core.keys import MAX_GROUP, Namespace
 from ..core.tokencut import CUTTABLE
 

@@ -13,10 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from connector.core.identity import (
-    model_identity,
-    model_identity_document,
-)
+from connector.core.modelidentity import model_identity, model_identity_document
 from connector.core.keys import Namespace
 
 # -- engine side: fake vllm_config objects mirroring the attributes read ----------------------------

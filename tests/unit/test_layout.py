@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from connector.core.identity import model_identity
+from connector.core.modelidentity import model_identity
 
 from .test_identity import vllm_config
 
