@@ -23,20 +23,21 @@ from functools import partial
 import torch
 
 from .blockcopy import BlockRows
+from .caches import EngineCaches, cache_groups, staging_area
 from ..store.breaker import CircuitBreaker
 from ..calls import BoundedCalls
 from ..counters import Counters, WarnOnce
-from .devicecopy import CopyStream, DeviceOps, Fence, block_major, device_ops_for
-from ..config import ConfigError, KVToolConfig, bad_value
+from .devicecopy import CopyStream, DeviceOps, Fence, device_ops_for
+from ..config import KVToolConfig
 from ..data import BlockTransfer, KVToolMetadata, KVToolWorkerMeta, RequestSave, StoredObject
 from ..core.keys import KeyKind, Namespace, object_key, watermark_key
 from .loader import MAX_SAMPLES, Loader
 from ..core.objects import HEADER_SIZE, ObjectHeader, PointerRecord, encode_pointer
 from .saver import ObjectCopy, Saver, SaveJob
-from ..store.staging import Lease, Region, StagingArea
+from ..store.staging import Lease, Region
 from .stepcopies import StepCopies
-from ..store.store import KVStore, StoreError
-from ..core.tokencut import cuttable, token_bytes, token_views
+from ..store.store import KVStore
+from ..core.tokencut import token_views
 
 # How long get_finished waits for the loads in flight after a step that computed nothing.
 IDLE_LOAD_WAIT_S = 0.010
@@ -102,78 +103,23 @@ class WorkerSide:
         layouts: tuple[str | None, ...] = (),
         device_ops: DeviceOps | None = None,
     ) -> None:
-        """The cache tensors of every group's layers. Each tensor has the blocks in its first dimension
-        (a Mamba layer may have several: its conv and SSM states); a block is copied whole, but for a
-        tail in a group whose kernel ``layouts`` (per group, ``EngineLayout.attention``) can be cut per
-        token (``tokencut``): a tail object then holds its valid tokens only."""
-        groups = []
-        for layer_names in group_layers:
-            tensors = []
-            for name in layer_names:
-                value = kv_caches.get(name)
-                if value is None:
-                    raise ValueError(f"no KV cache tensor for layer {name}")
-                for tensor in value if isinstance(value, (list, tuple)) else [value]:
-                    try:
-                        tensors += block_major(tensor, num_blocks)
-                    except ValueError as exc:
-                        raise ValueError(f"layer {name}: {exc}") from None
-            groups.append(tensors)
-        self._groups = groups
+        """The cache tensors of every group's layers (``caches``): a block is copied whole, but for a tail
+        in a group whose kernel ``layouts`` (per group, ``EngineLayout.attention``) can be cut per token;
+        and the staging areas, sized for its largest object."""
+        groups = cache_groups(kv_caches, group_layers, num_blocks)
         ops = device_ops or device_ops_for([t for tensors in groups for t in tensors])
         if ops is not None:  # the engine's thread: its current stream is the compute stream
             self._save_stream, self._load_stream = CopyStream(ops), CopyStream(ops)
-        # Per cache start address, the view spanning the most bytes a block (repair_block_copies).
-        widest: dict[int, torch.Tensor] = {}
-        for tensor in (t for tensors in groups for t in tensors):
-            known = widest.get(tensor.data_ptr())
-            if known is None or tensor[0].nbytes > known[0].nbytes:
-                widest[tensor.data_ptr()] = tensor
-        self._widest_views = tuple(widest.values())
-        self._group_bytes = [sum(t[0].numel() * t.element_size() for t in tensors) for tensors in groups]
-        self._rows = [BlockRows.of(tensors, queued=ops is not None) for tensors in groups]
-        # Per group: bytes a token takes across its layers, where its blocks are cut per token (else 0).
-        self._token_bytes = [
-            sum(token_bytes(t[0]) for t in tensors)
-            if index < len(layouts) and tensors and all(cuttable(layouts[index], t[0]) for t in tensors)
-            else 0
-            for index, tensors in enumerate(groups)
-        ]
-        for index, tensors in enumerate(groups):
-            logger.info(
-                "kvtool: group %d: %d cache tensors, block shape %s %s, %d bytes a block; namespace %s",
-                index,
-                len(tensors),
-                tuple(tensors[0].shape[1:]) if tensors else (),
-                tensors[0].dtype if tensors else "",
-                self._group_bytes[index],
-                self._ns_key,
-            )
+        caches = EngineCaches.of(groups, layouts, queued=ops is not None)
+        caches.log(self._ns_key)
+        self._groups, self._widest_views, self._rows = caches.groups, caches.widest_views, caches.rows
+        self._group_bytes, self._token_bytes = caches.group_bytes, caches.token_bytes
         if self._store is None:
             return
-        slot_bytes = HEADER_SIZE + max(self._group_bytes, default=0)
-        self._loader.area = self._staging_area("load", slot_bytes, self._config.load_buffer_bytes)
+        self._loader.area = staging_area(self._store, "load", caches.slot_bytes, self._config.load_buffer_bytes)
         if self._saves_enabled:
-            area = self._staging_area("save", slot_bytes, self._config.save_buffer_bytes)
+            area = staging_area(self._store, "save", caches.slot_bytes, self._config.save_buffer_bytes)
             self._saver = Saver(self._store, area=area, drain_timeout_s=self._config.shutdown_drain_s)
-
-    def _staging_area(self, name: str, slot_bytes: int, budget_bytes: int) -> StagingArea:
-        """A staging area of the budget's size, registered with the store. A store that refuses the
-        registration still gets transfers from it (over TCP they work unregistered)."""
-        if budget_bytes < slot_bytes:  # the first place that knows an object's size
-            accepts = f"it should hold at least one object of this model: {slot_bytes} bytes (a block and its header)"
-            raise ConfigError.of(bad_value(f"{name}_buffer_bytes", budget_bytes, accepts))
-        area = StagingArea(name, slot_bytes, budget_bytes // slot_bytes)
-        # Touched now, not slot by slot on the engine's step: a save's copy into a cold page costs four
-        # times a warm one (page faults), which showed as 40 ms more per producer request at block 32.
-        area.memory.fill_(0)
-        assert self._store is not None
-        try:
-            self._store.register(area.address, area.nbytes)
-        except StoreError as exc:
-            logger.warning("kvtool: %s staging area not registered with the store (%s)", name, exc)
-        logger.info("kvtool: %s staging area: %d slots of %d bytes", name, area.slots, area.slot_bytes)
-        return area
 
     @property
     def ready(self) -> bool:
