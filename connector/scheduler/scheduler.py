@@ -4,26 +4,24 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..config import KVToolConfig, divergence_grid, lead_pointers
-from ..data import BlockTransfer, KVToolMetadata, RequestLoad, RequestSave, StoredObject
+from ..data import BlockTransfer, KVToolMetadata, RequestLoad, RequestSave
 from ..core.groups import NULL_BLOCK_ID, CacheGroup, GroupKind
-from ..core.keys import KeyKind, Namespace
+from ..core.keys import Namespace
 from .answers import plan_answer_save
+from .promptsaves import PromptSaves
 from ..store.breaker import CircuitBreaker
 from ..calls import BoundedCalls
 from ..counters import Counters, WarnOnce
 from .lookups import POINTER_READ_SHARE, LookupBatcher, pointer_reader
 from .lookupwait import LookupPacing
-from ..core.prefix import plan_load, plan_save, single_group
-from ..core.refs import ObjectRef
+from ..core.prefix import plan_load, single_group
 from ..core.profit import HitJudge
 from ..core.ranks import on_every_rank, rank_components
 from ..core.search import find_saved_objects, find_stored_prefixes
 from ..store.store import KVStore, StoreError
-from ..core.saveplans import add_state_saves, last_put_key, save_transfer, state_transfers
 from .requestlog import RequestLog
 from .tracking import KeySpace, TrackedRequest
 
@@ -57,7 +55,6 @@ class SchedulerSide:
         self._block_size = namespace.block_size
         self._groups = groups or single_group(namespace.block_size)
         self._grid = divergence_grid(config, namespace.block_size)
-        self._current_tables: Callable[[str], tuple[list[int], ...] | None] | None = None
         self._store = store
         self._loads_enabled = loads_enabled and store is not None
         self._saves_enabled = saves_enabled and store is not None
@@ -278,105 +275,34 @@ class SchedulerSide:
         # vLLM's current block tables (never an append-only mirror: a sliding window or a Mamba group
         # frees blocks and reuses their ids) and this step's exact Mamba boundary states.
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
-        self._current_tables = block_state.get_block_ids if block_state is not None else None
+        saves = PromptSaves(
+            self._groups,
+            self.stats,
+            block_state.get_block_ids if block_state is not None else None,
+            scheduler_output.num_scheduled_tokens,
+            self._stored_found,
+        )
         for new_req in scheduler_output.scheduled_new_reqs:
             tracked = self._live(new_req.req_id)
             if tracked is None:
                 continue
             tracked.block_ids = [list(ids) for ids in new_req.block_ids]
-            self._maybe_save(meta, tracked, new_req.num_computed_tokens, scheduler_output)
+            saves.plan(meta, tracked, new_req.num_computed_tokens)
         cached = scheduler_output.scheduled_cached_reqs
         for index, req_id in enumerate(cached.req_ids):
             tracked = self._live(req_id)
             if tracked is None:
                 continue
             tracked.take_blocks(cached.new_block_ids[index], resumed=req_id in cached.resumed_req_ids)
-            self._maybe_save(meta, tracked, cached.num_computed_tokens[index], scheduler_output)
+            saves.plan(meta, tracked, cached.num_computed_tokens[index])
         if block_state is not None and block_state.boundary_state_offloads:
-            self._save_boundary_states(meta, block_state.boundary_state_offloads)
-        self._current_tables = None
+            for req_id, entries in block_state.boundary_state_offloads.items():
+                saves.boundary_states(meta, self._live(req_id), entries)
         return meta
 
-    def _save_boundary_states(self, meta: KVToolMetadata, offloads: dict[str, list[tuple[int, int, int]]]) -> None:
-        """Save the Mamba states vLLM's align mode keeps at boundaries inside a prompt, from the exact
-        blocks it names, in the step that computes them (a later step's forward may overwrite them).
-
-        With them a prompt that shares only the first blocks of a stored one, or the stored prompt
-        itself sent unchanged, hits at the last boundary its state group holds."""
-        for req_id, entries in offloads.items():
-            tracked = self._live(req_id)
-            if tracked is None or tracked.unhashable:
-                continue
-            transfers = state_transfers(tracked.keys, self._groups, entries)
-            if transfers:
-                self.stats.add("state_checkpoints", len(transfers))
-                add_state_saves(meta.saves, req_id, transfers, len(tracked.keys.tokens))
-
-    def _maybe_save(
-        self, meta: KVToolMetadata, tracked: TrackedRequest, num_computed: int, scheduler_output: SchedulerOutput
-    ) -> None:
-        """Publish the prompt's KV in the step that completes it (so a max_tokens=1 request publishes too)."""
-        if tracked.save_scheduled or tracked.unhashable:
-            return
-        req_id = tracked.request.request_id
-        scheduled = scheduler_output.num_scheduled_tokens.get(req_id, 0)
-        prompt_len = len(tracked.keys.tokens)
-        if num_computed + scheduled < prompt_len:
-            return
-        tracked.save_scheduled = True
-        planned = plan_save(tracked.keys)
-        present = self._known_present(tracked, planned)
-        missing = [s for s, found in zip(planned, present, strict=True) if not found]
-        sources = [self._source_block(tracked, s, num_computed) for s in missing]
-        usable = [(s, block_id) for s, block_id in zip(missing, sources, strict=True) if block_id is not None]
-        if len(usable) != len(missing):
-            # A sliding-window group gave up the blocks its window left (an earlier chunk's): a lookup
-            # that needs them will not find them, which is a miss, never a wrong block.
-            self.stats.add("save_objects_not_held", len(missing) - len(usable))
-        if not usable:
-            return
-        params = getattr(tracked.request, "kv_transfer_params", None) or {}
-        meta.saves.append(
-            RequestSave(
-                req_id,
-                tuple(save_transfer(tracked.keys, s, block_id) for s, block_id in usable),
-                already_stored=tuple(
-                    StoredObject(s.kind, s.token_start, s.token_end, s.group, s.chain_hash)
-                    for s, found in zip(planned, present, strict=True)
-                    if found
-                ),
-                prompt_tokens=prompt_len,
-                state_groups=tracked.keys.state_groups,
-                tag=params.get("kvtool_tag"),
-                last_block_key=next((s.key for s in reversed(planned) if s.kind is KeyKind.BLOCK), None),
-                tail_key=next((s.key for s in planned if s.kind is KeyKind.TAIL), None),
-                turn=tracked.turn,
-            )
-        )
-        tracked.saved_keys |= frozenset(s.key for s, _ in usable)
-        tracked.save_objects += len(usable)
-        tracked.last_saved_key = last_put_key(tracked.keys, [s for s, _ in usable])
-        tails = [s.token_end for s, _ in usable if s.kind is KeyKind.TAIL]
-        tracked.tail_boundary_saved = tails[0] if tails else None
-
-    def _source_block(self, tracked: TrackedRequest, save: ObjectRef, computed_before_step: int) -> int | None:
-        """The block a save object is copied from, or None when the request no longer holds it."""
-        tables = self._current_tables(tracked.request.request_id) if self._current_tables is not None else None
-        if tables is None:
-            if self._groups[save.group].kind is not GroupKind.FULL:
-                return None  # only full attention's table only grows; another group's mirror may be stale
-            tables = tracked.block_ids
-        ids = tables[save.group] if save.group < len(tables) else []
-        if save.block_index >= len(ids) or ids[save.block_index] == NULL_BLOCK_ID:
-            return None
-        if save.block_index < self._groups[save.group].live_from_block(computed_before_step):
-            return None  # freed when this step began: its id may already hold another request's KV
-        return ids[save.block_index]
-
-    def _known_present(self, tracked: TrackedRequest, saves: list[ObjectRef]) -> list[bool]:
-        """Which of the prompt's objects a lookup already found stored (no copy needed for those)."""
-        polled = self._lookups.poll(tracked.request.request_id) if tracked.stored is None and self._lookups else None
-        return tracked.known_present(saves, polled)
+    def _stored_found(self, tracked: TrackedRequest) -> Any:
+        """What a lookup of the request found stored, where it is answered but not taken yet."""
+        return self._lookups.poll(tracked.request.request_id) if tracked.stored is None and self._lookups else None
 
     def record_transfers(self, received: set[str] | None, sent: set[str] | None) -> None:
         """Loads the worker reported received (their blocks are filled, or vLLM recomputes), and answer
