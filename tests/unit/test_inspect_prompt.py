@@ -9,7 +9,7 @@ from connector.core.objects import ObjectHeader, encode_object
 from connector.core.prefix import PromptKeys, plan_load, plan_save
 from connector.core.search import find_stored_prefix
 from kvtool.errors import UserError
-from kvtool.inspect.prompt import (
+from kvtool.inspect.misses import (
     EVICTED,
     FAILED_CHECK,
     NEVER_STORED,
@@ -17,11 +17,9 @@ from kvtool.inspect.prompt import (
     Coverage,
     StoreSnapshot,
     check_object,
-    choose_namespace,
-    expected_header,
-    inspect_prompt,
     miss_reason,
 )
+from kvtool.inspect.prompt import choose_namespace, expected_header, inspect_prompt
 from kvtool.inspect.tokens import parse_token_ids
 
 NS = Namespace(model="m", dtype="float32", kv_layout="cpu", block_size=32, num_layers=2, num_kv_heads=2, head_size=64)
@@ -268,7 +266,7 @@ def test_watermark_records_are_matched_to_a_prompt_by_the_keys_they_name():
     from connector.core.hashing import RequestIdentity
     from connector.core.prefix import PromptKeys
     from connector.core.watermarks import SaveState, WatermarkRecord
-    from kvtool.inspect.prompt import record_coverage
+    from kvtool.inspect.misses import record_coverage
 
     tokens = list(range(300, 385))
     keys = PromptKeys.build(tokens, 32, 1, "0123456789abcdef", RequestIdentity().root_hash())
