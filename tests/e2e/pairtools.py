@@ -30,8 +30,8 @@ class RunningPair(ReadyFile):
     """A pair as the end-to-end tests hold it: the ready file serve-pair first wrote (typed,
     ``kvtool.pair.ready.ReadyFile``) and what the test set it up with."""
 
-    ready_file: str  # serve-pair rewrites it (a restarted master, a fleet's engine out or back)
-    fault_control_file: str  # the fault plan its kvtool connectors re-read
+    ready_file: str | None = None  # serve-pair rewrites it (a restarted master, a fleet's engine out or back)
+    fault_control_file: str | None = None  # the fault plan its kvtool connectors re-read
     preset: str = "tiny"  # the generated model's preset
 
     def url(self, engine: str) -> str:

@@ -63,7 +63,7 @@ def test_a_request_aborted_while_its_load_fails_leaves_no_stale_blocks_for_a_loc
     with faults(pair, corrupt_get="flip", get_delay_s=1.5):
         with pytest.raises(httpx.TimeoutException):  # the client gives up: vLLM aborts the request mid-load
             httpx.post(
-                f"{pair['consumer']}/v1/completions",
+                f"{pair.consumer}/v1/completions",
                 json={"model": pair.model, "prompt": base + prompt(116, 4), "max_tokens": 4, "temperature": 0},
                 timeout=0.5,
             )

@@ -20,7 +20,7 @@ from kvtool.procs import LOOPBACK, ManagedProcess, ProcessSet, ReadinessCheck
 from kvtool.store.mooncake import find_binary, master_argv, mooncake_env, standalone_store_argv
 from tests.netns import Lab, can_make_namespaces
 
-from .pairtools import consume, produce, prompt
+from .pairtools import RunningPair, consume, produce, prompt
 from .test_restart import hits_again
 
 pytestmark = pytest.mark.e2e
@@ -54,6 +54,13 @@ def bound_to(address: str) -> dict[str, str]:
     return {**mooncake_env(), "MC_TCP_BIND_ADDRESS": address}
 
 
+class HostPair(RunningPair):
+    """The pair across the lab's hosts, as the shared helpers take a pair (no ready file: this test starts
+    its processes itself; no master named: the helpers' store checks would ask it from this namespace)."""
+
+    addresses: dict[str, str]  # host -> its address in the lab
+
+
 @pytest.fixture(scope="module")
 def lab() -> Iterator[Lab]:
     why = can_make_namespaces()
@@ -67,7 +74,7 @@ def lab() -> Iterator[Lab]:
 
 
 @pytest.fixture(scope="module")
-def hosts(lab: Lab, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+def hosts(lab: Lab, tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostPair]:
     workdir = tmp_path_factory.mktemp("multi-host")
     addresses = {host: lab.add_host(host) for host in ("master", "store", "producer", "consumer", "client")}
     master, store = addresses["master"], addresses["store"]
@@ -91,21 +98,24 @@ def hosts(lab: Lab, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
         )
         engines = [engine(lab, procs, cfg, role, addresses[role]) for role in ("producer", "consumer")]
         procs.wait_ready(engines, READY_TIMEOUT_S)
-        yield {
-            "producer": f"http://{addresses['producer']}:{ENGINE_PORT}",
-            "consumer": f"http://{addresses['consumer']}:{ENGINE_PORT}",
-            "model": str(cfg.model),
-            "admin": admin,
-            "block_size": cfg.block_size,
-            "preset": "tiny",
-            "addresses": addresses,
-        }
+        yield HostPair(
+            producer=f"http://{addresses['producer']}:{ENGINE_PORT}",
+            consumer=f"http://{addresses['consumer']}:{ENGINE_PORT}",
+            model=str(cfg.model),
+            block_size=cfg.block_size,
+            hash_unit=cfg.hash_unit,
+            max_model_len=cfg.max_model_len,
+            connector=cfg.connector,
+            roles=cfg.roles,
+            admin=admin,
+            addresses=addresses,
+        )
     finally:
         procs.stop_all()
 
 
 def test_hosts_talk_over_their_own_addresses_never_loopback(lab, hosts):
-    assert all(not address.startswith("127.") and address != LOOPBACK for address in hosts["addresses"].values())
+    assert all(not address.startswith("127.") and address != LOOPBACK for address in hosts.addresses.values())
     # Reuse crosses hosts: the producer's save lands on the store host, the consumer loads it from there.
     lab.call_in("client", lambda: hits_again(hosts, seed=4000))
 

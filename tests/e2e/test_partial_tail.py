@@ -29,7 +29,7 @@ def test_cross_block_prompt_is_reused_blocks_plus_tail_then_repeated(pair):
     assert produced.save_objects == 3 and produced.save_tail_boundary == 85
     # vLLM calls the per-step hook the producer's copies wait at (connector.worker.stepcopies): its saves are
     # copied off the engine's step, and what they stored is what the consumer's answer below checks.
-    metrics = httpx.get(f"{pair['producer']}/metrics", timeout=10).text
+    metrics = httpx.get(f"{pair.producer}/metrics", timeout=10).text
     assert (prometheus.total(metrics, "vllm:kvtool_saves_copied_off_step_total") or 0) > 0
     details, _ = consume(pair, base + prompt(4, 10))
     assert details.external_hit_tokens == 85
