@@ -28,7 +28,7 @@ def reader(pair):
 
 
 def metric(pair: RunningPair, role: str, name: str) -> float:
-    return prometheus.total(httpx.get(f"{pair[role]}/metrics", timeout=10).text, name) or 0.0
+    return prometheus.total(httpx.get(f"{pair.url(role)}/metrics", timeout=10).text, name) or 0.0
 
 
 def wait_metric(pair: RunningPair, role: str, name: str, above: float, timeout_s: float = 30.0) -> float:
