@@ -23,6 +23,9 @@ from kvtool.procs import http_ok
 from kvtool.verify import compare_answers
 
 TOLERANCE = 1e-3  # max |logprob difference| against a full recomputation
+# A load that failed before any check ran: its transfer failed or timed out, or it stalled past what
+# recomputing costs and was given up as slow (Mooncake TCP's first transfer to a segment, README known issues).
+TRANSPORT_CAUSES = ("missing", "timeout", "store_error", "slow")
 GENERATE = 6
 
 

@@ -29,7 +29,7 @@ from connector.store.store import open_store
 from kvtool.client import complete
 from kvtool.procs import find_free_port, log_tail
 
-from .pairtools import HitDetails, RunningPair, consume, hit_details, produce, prompt, wait_save_ended
+from .pairtools import TRANSPORT_CAUSES, HitDetails, RunningPair, consume, hit_details, produce, prompt, wait_save_ended
 
 pytestmark = pytest.mark.e2e
 
@@ -164,9 +164,6 @@ def warmed_up(pair: RunningPair, both_engine: dict) -> bool:
             return True
         time.sleep(2.0)  # past the breaker's back-off after a failed load
     return False
-
-
-TRANSPORT_CAUSES = ("missing", "timeout", "store_error")  # the transfer failed before any check ran
 
 
 def corrupted_load(pair: RunningPair, both_engine: dict, seed: int) -> tuple[list[int], HitDetails]:

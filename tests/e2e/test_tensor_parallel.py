@@ -9,6 +9,7 @@ failed loads): a miss, never half of the heads loaded.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -20,11 +21,12 @@ from connector.core.ranks import keys_on_every_rank
 from kvtool.store.admin import open_admin
 
 from .conftest import running_pair
-from .pairtools import RunningPair, consume, faults, produce_whole, remove, warm_loads
+from .pairtools import TRANSPORT_CAUSES, RunningPair, consume, faults, produce_whole, remove, warm_loads
 
 pytestmark = pytest.mark.e2e
 
 TP = 2
+STALL_RETRY_S = 180.0
 LENGTH = 75  # two full blocks of 32 and a tail of 11: every object kind a prompt save has
 
 
@@ -76,7 +78,13 @@ def test_a_load_that_fails_on_one_rank_only_is_recomputed(tp_pair):
     assert details.external_hit_tokens == 0
 
     # The same prompt again, the fault gone: the consumer's own cache holds the full blocks it
-    # recomputed, and the tail loads from both ranks.
-    details, _ = consume(tp_pair, tokens)
+    # recomputed, and the tail loads from both ranks. A load that stalls on its way (a rank's first
+    # transfer from a segment, README known issues) is recomputed: the prompt is asked again.
+    deadline = time.monotonic() + STALL_RETRY_S
+    while True:
+        details, _ = consume(tp_pair, tokens)
+        if details.load_failure not in TRANSPORT_CAUSES or time.monotonic() > deadline:
+            break
+        time.sleep(2.0)  # past the breaker's back-off, should the stall have opened it
     assert details.reused_tokens == LENGTH - 1 and details.external_hit_tokens > 0, details
     assert details.load_failure is None
