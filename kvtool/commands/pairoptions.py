@@ -16,16 +16,13 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args, get_origin
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 import typer
 
 from kvtool.commands.output import say
 from kvtool.errors import UserError
-from kvtool.pair.config import StoreChoice, flag_fields
-
-if TYPE_CHECKING:
-    from kvtool.pair.config import ServePairConfig
+from kvtool.pair.config import MiB, ServePairConfig, StoreChoice, flag_fields
 
 # ---- the pair: serve-pair and bench --launch ------------------------------------------------
 
@@ -98,8 +95,10 @@ class _ShapedFlags:
     segment_mib: Annotated[
         int,
         _pair("store memory each engine lends with --store embedded, MiB (a small one puts the store under pressure)"),
-    ] = 256
-    startup_timeout: Annotated[float, _pair("seconds to wait for both servers to be healthy")] = 300.0
+    ] = ServePairConfig.model_fields["segment_bytes"].default // MiB
+    startup_timeout: Annotated[float, _pair("seconds to wait for both servers to be healthy")] = (
+        ServePairConfig.model_fields["startup_timeout_s"].default
+    )
     config_file: Annotated[
         Path | None,
         _pair(
@@ -184,7 +183,7 @@ class _ShapedFlags:
         from pydantic import ValidationError
 
         from kvtool.model import default_model_dir, ensure_default_model
-        from kvtool.pair.config import ServePairConfig, default_log_dir
+        from kvtool.pair.config import default_log_dir
 
         self.check()
         if self.model_size is not None:
