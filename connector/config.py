@@ -84,13 +84,6 @@ class KVToolConfig(BaseModel):
         data["backend"] = section
         return data
 
-    @field_validator("store_backend")
-    @classmethod
-    def _known_backend(cls, value: str) -> str:
-        if value not in BACKENDS:
-            raise ValueError(_known_backends())
-        return value
-
     @model_serializer(mode="wrap")
     def _section_by_name(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         """Written as a config gives it: the backend's section under the backend's name, in its place."""
