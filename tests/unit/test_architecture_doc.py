@@ -32,8 +32,8 @@ def test_every_quoted_path_exists():
 
 def hit_walk() -> list[str]:
     """The connector modules the "consumer hit, room by room" walk opens, in order (its first
-    paragraph, up to where it names what is called on the side)."""
-    section = DOC.split("### A consumer hit, room by room", 1)[1].split("What they call on the side", 1)[0]
+    paragraph, up to where it counts them)."""
+    section = DOC.split("### A consumer hit, room by room", 1)[1].split(" modules in ", 1)[0]
     return re.findall(r"`([\w/]+\.py)`", section)
 
 
