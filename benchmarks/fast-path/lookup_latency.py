@@ -8,7 +8,7 @@ read), half is unseen. Wall ms per batch, p50 and p99 over ``--batches`` batches
 floor the master sets: the same existence queries (the same keys, in the same calls) sent straight
 through the Mooncake client's ``batch_is_exist`` right after each batch.
 
-    .venv/bin/python benchmarks/fast-path/lookup_latency.py [--block-size 32] [--out FILE]
+    .venv/bin/python benchmarks/fast-path/lookup_latency.py [--block-size 32] [--divergence-grid N] [--out FILE]
 """
 
 from __future__ import annotations
@@ -137,13 +137,15 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--batches", type=int, default=40)
+    parser.add_argument("--divergence-grid", type=int, default=None, help="pointer grid in tokens (default: auto)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     bs = args.block_size
     master = LocalMaster().start()
     address = master.address
     try:
-        config = load_config({"master_server_address": address, "global_segment_size": 256 << 20})
+        grid_setting = {} if args.divergence_grid is None else {"divergence_grid": args.divergence_grid}
+        config = load_config({"master_server_address": address, "global_segment_size": 256 << 20, **grid_setting})
         store = open_store(config)
         grid = divergence_grid(config, bs)
         root = RequestIdentity().root_hash()
