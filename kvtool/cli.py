@@ -12,6 +12,7 @@ from kvtool.commands.config import config_app
 from kvtool.commands.inspect import inspect_app
 from kvtool.commands.model import model_command
 from kvtool.commands.output import EXIT_CODES_EPILOG, print_user_error
+from kvtool.commands.scale import scale_command
 from kvtool.commands.serve_pair import serve_pair_command
 from kvtool.errors import EXIT_INTERRUPTED, UserError
 
@@ -24,6 +25,7 @@ app = typer.Typer(
     pretty_exceptions_show_locals=False,
 )
 app.command("serve-pair", epilog=EXIT_CODES_EPILOG)(serve_pair_command)
+app.command("scale", epilog=EXIT_CODES_EPILOG)(scale_command)
 app.command("bench", epilog=EXIT_CODES_EPILOG)(bench_command)
 app.command("model", epilog=EXIT_CODES_EPILOG)(model_command)
 app.add_typer(inspect_app, name="inspect")

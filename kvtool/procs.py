@@ -330,6 +330,13 @@ class ProcessSet:
                 )
             time.sleep(poll_s)
 
+    def stop_one(self, name: str, grace_s: float = 15.0) -> None:
+        """Stop the process ``name`` and forget it (a fleet's engine scaled in)."""
+        proc = self.get(name)
+        stop_process(proc, grace_s)
+        self.processes.remove(proc)
+        self.departed.discard(name)
+
     def stop_all(self, grace_s: float = 15.0) -> None:
         while self.processes:
             stop_process(self.processes.pop(), grace_s)

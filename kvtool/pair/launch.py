@@ -16,10 +16,11 @@ from kvtool.errors import EXIT_INTERRUPTED, ServerError
 from kvtool.files import write_json_atomically
 from kvtool.pair.config import FLEET_PREFIX, REPO_ROOT, Reporter, ServePairConfig
 from kvtool.pair.engines import engine_argv, engine_env
-from kvtool.pair.members import FleetMembers, supervise_engines
+from kvtool.pair.members import FleetMembers, fleet_members
 from kvtool.pair.preflight import preflight
 from kvtool.procs import LOOPBACK, ManagedProcess, ProcessDied, ProcessSet, ReadinessCheck
 from kvtool.pair.ready import ReadyFile, ReadyFileWriter, admin_url_for, ready_info
+from kvtool.pair.scale import FleetScaler
 from kvtool.pair.warmup import warm_fleet
 from kvtool.pair.router import ROUTER_LABEL, router_argv, router_binary, router_readiness
 from kvtool.store.mooncake import (
@@ -161,6 +162,7 @@ def launched_pair(
     procs.on_departed = lambda _name: ready.refresh()  # a fleet's engine let go: the file lists the rest
     watch: Watch | None = None
     members: FleetMembers | None = None  # a fleet's engines in the router's rotation (restarted when they end)
+    scaler: FleetScaler | None = None  # a fleet's engines added and removed on request (``kvtool scale``)
     try:
         with signal_guard():
             labels = start_mooncake(cfg, procs, say)
@@ -181,15 +183,18 @@ def launched_pair(
                 warm_fleet(cfg, say)  # no user request meets a first-transfer stall
                 start_router(cfg, procs, say)
                 supervisor.supervise("router", ROUTER_LABEL)
-                if cfg.restart_engines:
-                    members = supervise_engines(cfg, supervisor, ready.refresh)
+                members = fleet_members(cfg, supervisor, ready.refresh)
+                scaler = FleetScaler(cfg, procs, supervisor, members, ready.refresh, supervisor.report)
 
             def current_info() -> ReadyFile:
                 restarts = supervisor.restarts() if supervisor is not None else {}
                 out = members.out if members is not None else frozenset()
-                return ready_info(cfg, procs.pids(), admin_url_for(cfg), restarts, out_of_rotation=out)
+                now, scaling = (scaler.cfg, scaler.state) if scaler is not None else (cfg, None)
+                return ready_info(now, procs.pids(), admin_url_for(cfg), restarts, out_of_rotation=out, scaling=scaling)
 
             info = ready.publish(current_info)
+            if scaler is not None:
+                scaler.start()  # after the first ready file: a request's outcome is written into it
             yield info, procs
     except Interrupted as exc:
         say(f"{exc.signal_name} received; stopping")
@@ -203,12 +208,16 @@ def launched_pair(
     finally:
         if watch is not None:
             watch.stop()  # no restart may race the shutdown
+        if scaler is not None:
+            scaler.stop()  # nor an engine added
         ready.remove()
         if procs.processes:
             say("stopping " + ", ".join(p.name for p in reversed(procs.processes)))
         procs.stop_all()
         if watch is not None:
             watch.release()
+        if scaler is not None:
+            scaler.release()
 
 
 def _engine_left_fleet(cfg: ServePairConfig, procs: ProcessSet, dead: ManagedProcess, say: Reporter) -> bool:
@@ -216,7 +225,8 @@ def _engine_left_fleet(cfg: ServePairConfig, procs: ProcessSet, dead: ManagedPro
     and what its segment held becomes misses); True. False for anything else, or the last engine."""
     if not dead.name.startswith(FLEET_PREFIX):
         return False
-    serving = [name for name in cfg.engine_names if name != dead.name and name not in procs.departed]
+    engines = [proc.name for proc in list(procs.processes) if proc.name.startswith(FLEET_PREFIX)]  # scaled too
+    serving = [name for name in engines if name != dead.name and name not in procs.departed]
     if not serving:
         return False
     procs.depart(dead.name)

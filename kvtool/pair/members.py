@@ -115,6 +115,27 @@ class FleetMembers:
         self.on_change()
 
     def _rejoin(self, name: str) -> None:
+        self.admit(name)
+
+    def expect(self, name: str) -> None:
+        """An engine being added to the fleet (``kvtool.pair.scale``): out of the rotation until ``admit``."""
+        with self._lock:
+            self._out.add(name)
+
+    def leave(self, name: str) -> None:
+        """An engine being scaled in: out of the rotation now (it may finish what it holds)."""
+        self._take_out(name)
+
+    def forget(self, name: str) -> None:
+        """An engine no longer in the fleet: nothing of it is kept but its events."""
+        with self._lock:
+            self._out.discard(name)
+            self._downs.pop(name, None)
+
+    def admit(self, name: str, wanted: Callable[[], bool] = lambda: True) -> bool:
+        """Warm ``name`` up with the engines serving, then put it in the router's rotation; whether it
+        joined (not when it went down again while warming, ``wanted`` said no, or the router did not
+        answer)."""
         with self._lock:
             downs = self._downs.get(name, 0)
         others = [other for other in self.serving() if other != name]
@@ -126,28 +147,36 @@ class FleetMembers:
         if cold:
             self.say(f"{name} rejoins with {len(cold)} path(s) still cold: such a load fails closed (a miss)")
         with self._lock:
-            if self._downs.get(name, 0) != downs:
-                return  # it went down again while warming: the next recovery rejoins it
+            if self._downs.get(name, 0) != downs or not wanted():
+                return False  # it went down again while warming: the next recovery rejoins it
         if not self.router.add(self.cfg.base_url(name)):
-            self.say(f"{name} could not be put back in the router's rotation (it did not answer); it stays out")
-            return
+            self.say(f"{name} could not be put in the router's rotation (it did not answer); it stays out")
+            return False
         with self._lock:
             self._out.discard(name)
             self._events.append(MemberEvent(time.monotonic(), name, "in"))
-        self.say(f"{name} is back in the rotation: {len(self.serving())} engine(s) serve")
+        self.say(f"{name} is in the rotation: {len(self.serving())} engine(s) serve")
         self.on_change()
+        return True
 
     def join_threads(self, timeout_s: float = 5.0) -> None:
         for thread in self._threads:
             thread.join(timeout_s)
 
 
-def supervise_engines(cfg: ServePairConfig, supervisor: Supervisor, on_change: Callable[[], None]) -> FleetMembers:
-    """Every engine of a serving fleet supervised (started again when it ends or hangs), out of the
-    router's rotation while down, back in once warm; the membership, for the ready file."""
+def fleet_members(cfg: ServePairConfig, supervisor: Supervisor, on_change: Callable[[], None]) -> FleetMembers:
+    """A serving fleet's membership, for the ready file and for scaling (``kvtool.pair.scale``); with
+    ``restart_engines`` every engine is supervised too (``supervise_engines``)."""
     assert cfg.router_url is not None
     members = FleetMembers(cfg, RouterWorkers(cfg.router_url), supervisor.report, on_change)  # said and logged
+    if cfg.restart_engines:
+        supervise_engines(cfg, supervisor, members)
+    return members
+
+
+def supervise_engines(cfg: ServePairConfig, supervisor: Supervisor, members: FleetMembers) -> None:
+    """Every engine of a serving fleet supervised (started again when it ends or hangs), out of the
+    router's rotation while down, back in once warm."""
     supervisor.on_event = members.on_supervisor
     for name in cfg.engine_names:
         supervisor.supervise(name, name, engine_policy(cfg), "warming it up before it rejoins the router's rotation")
-    return members

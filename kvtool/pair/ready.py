@@ -13,7 +13,7 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -22,6 +22,20 @@ from kvtool.files import write_json_atomically
 from kvtool.pair.config import HA_PREFIX, LOOPBACK, RolesChoice, ServePairConfig, StoreChoice, parse_host_port
 from kvtool.pair.engines import request_log_path
 from kvtool.pair.profiles import ConnectorChoice
+
+
+ScalePhase = Literal["working", "done", "failed"]
+
+
+class ScaleState(BaseModel):
+    """How the fleet's last scale request (``kvtool scale``, ``kvtool.pair.scale``) went."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    request: str  # the request's id
+    target: int  # the engines it asked for
+    state: ScalePhase
+    message: str
 
 
 class ReadyFile(BaseModel):
@@ -49,6 +63,7 @@ class ReadyFile(BaseModel):
     router: str | None = None
     router_policy: str | None = None
     engines: dict[str, str] = {}
+    scaling: ScaleState | None = None  # the last scale request's outcome (a fleet, since it was asked)
 
     def to_json(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
@@ -99,6 +114,7 @@ def ready_info(
     admin_url: str | None,
     restarts: dict[str, int] | None = None,
     out_of_rotation: frozenset[str] = frozenset(),
+    scaling: ScaleState | None = None,
 ) -> ReadyFile:
     """What the ready file holds (kvtool/pair/ready.py); rewritten whenever a supervised process gets a
     new pid, or a fleet's engine leaves or rejoins the router's rotation (``out_of_rotation``)."""
@@ -129,6 +145,7 @@ def ready_info(
         else None,
         pids=pids,
         restarts=restarts or {},
+        scaling=scaling,
     )
 
 

@@ -173,6 +173,7 @@ class Supervisor:
         now = clock()
         self.trackers = {name: RestartTracker(policy, now) for name in labels}
         procs.supervised.update(labels)
+        self._round = threading.RLock()  # one round of checks at a time; ``forget`` waits for it
 
     def supervise(self, name: str, label: str, policy: Policy | None = None, recovered_note: str = "") -> None:
         """Watch one more process from now on (a fleet's router and engines, started after the store),
@@ -183,13 +184,23 @@ class Supervisor:
         self.procs.supervised.add(name)
         self.labels[name] = label  # last: the watch thread's next round picks it up
 
+    def forget(self, name: str) -> None:
+        """Stop watching ``name`` (a fleet's engine scaled in): once this returns, no round of checks
+        touches it, so stopping it starts nothing again."""
+        with self._round:
+            self.labels.pop(name, None)
+            self.trackers.pop(name, None)
+            self._recovered_notes.pop(name, None)
+            self.procs.supervised.discard(name)
+
     def restarts(self) -> dict[str, int]:
-        return {name: tracker.restarts for name, tracker in self.trackers.items()}
+        return {name: tracker.restarts for name, tracker in list(self.trackers.items())}
 
     def tick(self) -> None:
         """One round of checks over every supervised process."""
-        for name in list(self.labels):  # supervise() may add one meanwhile
-            self._tick_one(name)
+        with self._round:
+            for name in list(self.labels):  # supervise() may add one meanwhile
+                self._tick_one(name)
 
     def _tick_one(self, name: str) -> None:
         tracker = self.trackers[name]

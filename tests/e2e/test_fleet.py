@@ -2,7 +2,8 @@
 robin. A session's second turn lands on the other engine and reuses the first turn's prompt and answer
 from the store, to the token, with the answer of a recomputation; an engine killed mid-run is taken out
 of the router's rotation and the fleet serves on, every answer still a recomputation's; serve-pair
-starts it again, and once warm it is back and loads from the store what the other saved meanwhile."""
+starts it again, and once warm it is back and loads from the store what the other saved meanwhile. An
+engine added with kvtool scale joins once warm and loads what another saved; scaled back, it stops."""
 
 from __future__ import annotations
 
@@ -157,6 +158,44 @@ def test_a_trace_replayed_at_its_timestamps_through_the_router_answers_exactly(f
     assert result["checked"].get("matched", 0) >= 2 and not result["checked"].get("differed")
     assert document["configuration"]["trace"] == {"start": 0, "block_tokens": 8}
     assert sorted((r["session"], r["turn"]) for r in result["requests"]) == [(n, 0) for n in range(6)]  # a turn each
+
+
+def test_an_engine_added_while_the_fleet_serves_joins_warm_loads_from_the_store_and_leaves_on_request(fleet):
+    """kvtool scale: a third engine starts, warms up with the two serving, and only then joins the
+    router's rotation; a prompt engine-0 saved is loaded by it, to the token, with a recomputation's
+    answer. Scaled back to two, it leaves the rotation, is stopped by its pid, and the fleet serves on."""
+    tokens = prompt(370, 45) + prompt(371, 20)
+    _, saved = consume(fleet, tokens, engine=fleet.engines["engine-0"], max_tokens=4)
+    done = _scale(fleet, 3)
+    assert done["state"] == "done" and [row["engine"] for row in done["serving"]] == [
+        "engine-0",
+        "engine-1",
+        "engine-2",
+    ]
+    info = read_ready_file(Path(fleet.ready_file))
+    added = info.engines["engine-2"]
+    assert added in (RouterWorkers(fleet.router).urls() or set())
+    assert wait_for_key(open_admin(fleet.admin), hit_details(saved).watermark_key, 60.0)
+    for attempt in range(3):  # a load that met a first-transfer stall fails closed: ask again
+        details, _ = consume(fleet, tokens + prompt(372 + attempt, 9), engine=added, max_tokens=4)
+        if details.load_failure is None:
+            break
+    assert details.local_hit_tokens == 0 and details.external_hit_tokens == len(tokens), details
+
+    done = _scale(fleet, 2)
+    assert done["state"] == "done" and [row["engine"] for row in done["serving"]] == ["engine-0", "engine-1"]
+    info = read_ready_file(Path(fleet.ready_file))
+    assert "engine-2" not in info.pids and added not in (RouterWorkers(fleet.router).urls() or {added})
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"{added}/health", timeout=5)  # stopped
+    consume(fleet, prompt(373, 40), max_tokens=4)  # through the router: the two serve on
+
+
+def _scale(fleet: RunningPair, engines: int) -> dict:
+    argv = [sys.executable, "-m", "kvtool.cli", "scale", "--pair", fleet.ready_file, "--engines", str(engines)]
+    done = subprocess.run([*argv, "--format", "json", "--timeout", "900"], capture_output=True, text=True, timeout=960)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout)
 
 
 def test_an_engine_killed_mid_run_is_taken_out_the_fleet_serves_on_and_it_rejoins_warm(fleet):

@@ -8,7 +8,7 @@ import threading
 from pathlib import Path
 
 
-from kvtool.pair.members import FleetMembers, engine_policy, supervise_engines
+from kvtool.pair.members import FleetMembers, engine_policy, fleet_members
 from kvtool.pair.ready import ready_info
 from kvtool.pair.supervise import Supervisor
 
@@ -78,7 +78,7 @@ def test_an_engine_down_leaves_the_rotation_at_once_and_rejoins_only_once_warm(t
     warm.go.set()
     members.join_threads()
     assert router.calls[-1] == ("add", url) and url in router.workers
-    assert members.out == frozenset() and said[-1] == "engine-1 is back in the rotation: 3 engine(s) serve"
+    assert members.out == frozenset() and said[-1] == "engine-1 is in the rotation: 3 engine(s) serve"
     assert [(event.engine, event.change) for event in members.events] == [("engine-1", "out"), ("engine-1", "in")]
     assert members.events[0].at <= members.events[1].at
 
@@ -103,7 +103,7 @@ def test_a_router_that_does_not_answer_is_said_and_the_engine_stays_out(tmp_path
     warm.go.set()
     members.on_supervisor("engine-2", "recovered")
     members.join_threads()
-    assert members.out == {"engine-2"} and "could not be put back" in said[-1]
+    assert members.out == {"engine-2"} and "could not be put in the router" in said[-1]
 
 
 def test_news_of_the_master_or_the_router_changes_no_membership(tmp_path):
@@ -131,7 +131,7 @@ def test_the_supervisor_tells_the_members_of_an_engines_death_and_recovery(proce
     router = ScriptedRouter({cfg.base_url(name) for name in cfg.engine_names})
     monkeypatch.setattr("kvtool.pair.members.RouterWorkers", lambda url: router)
     monkeypatch.setattr("kvtool.pair.members.warm_engine", lambda cfg, engine, serving, say: set())
-    members = supervise_engines(cfg, supervisor, lambda: None)
+    members = fleet_members(cfg, supervisor, lambda: None)
     supervisor.tick()
     assert processes.first_dead() is None and members.out == frozenset()
 

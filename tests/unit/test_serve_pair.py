@@ -246,6 +246,7 @@ def test_ready_info_content(tmp_path):
         "router": None,
         "router_policy": None,
         "engines": {},
+        "scaling": None,
     }
     ready = tmp_path / "ready.json"
     write_json_atomically(ready, info)
