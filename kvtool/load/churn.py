@@ -120,7 +120,15 @@ def phase_summaries(records: Sequence[RequestRecord], churn: Churn, slo_ttft_ms:
     their count, failures and TTFT percentiles; a phase with no request is left out."""
     killed = churn.killed_s if churn.killed_s is not None else float("inf")
     back = churn.back_s if churn.back_s is not None else float("inf")
-    bounds = [("before", 0.0, killed), ("down", killed, back), ("rejoined", back, float("inf"))]
+    return phases_between(
+        records, [("before", 0.0, killed), ("down", killed, back), ("rejoined", back, float("inf"))], slo_ttft_ms
+    )
+
+
+def phases_between(
+    records: Sequence[RequestRecord], bounds: Sequence[tuple[str, float, float]], slo_ttft_ms: float | None
+) -> list[dict[str, Any]]:
+    """Each named phase's requests (sent in ``[start, end)``, seconds into the load), summarized."""
     phases = []
     for name, start, end in bounds:
         chosen = [record for record in records if start <= record.sent_s < end]

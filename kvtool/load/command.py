@@ -20,6 +20,7 @@ from kvtool.pair.ready import ReadyFile, read_ready_file
 from kvtool.pair.router import RouterWorkers
 
 from .churn import RotationWatch, phase_summaries, victim
+from .join import JoinWatch, fleet_to_grow, join_phases
 from .metrics import summarize
 from .options import LoadOptions, LoadResult
 from .runner import LoadRunner, LoadTarget
@@ -51,6 +52,8 @@ def load_command(
         read_trace(trace.path, trace.start, 1)  # a trace that cannot be read is said before any pair starts
     if options.kill_engine_after is not None and not launch and ready_file is not None:
         victim(read_ready_file(ready_file))  # a pair, or a fleet of one: said before any load
+    if options.add_engine_after is not None and not launch and ready_file is not None:
+        fleet_to_grow(read_ready_file(ready_file))  # a pair: said before any load
     if (ready_file is None) == (not launch):
         raise UserError("--load needs one pair: give --pair READY_FILE or --launch (not both)")
     if compared and not launch:
@@ -60,6 +63,8 @@ def load_command(
     launch_cfg = pair_options.config(report=output.say) if launch else None
     if options.kill_engine_after is not None and launch_cfg is not None and launch_cfg.engines < 2:
         raise UserError("--kill-engine-after needs a fleet of 2 engines or more: give --engines N with --launch")
+    if options.add_engine_after is not None and launch_cfg is not None and not launch_cfg.is_fleet:
+        raise UserError("--add-engine-after needs a fleet: give --engines N with --launch")
     measured = provenance()  # the commit and the cores, when the run starts
     results = run_load(
         options, say=output.say, ready_file=ready_file, launch_cfg=launch_cfg, compared=compared, trace=trace, **bench
@@ -162,13 +167,27 @@ def _measure(
         target, options.concurrency, deadline_s=options.duration, check_every=options.check_every, tolerance=tolerance
     )
     watch = _churn_watch(info, options.kill_engine_after, say)
+    growing = _join_watch(info, options.add_engine_after, say)
     run = runner.run(plans)
     churn = watch.stop() if watch is not None else None
+    join = growing.stop() if growing is not None else None
     summary = summarize(run.records, options.slo_ttft_ms)
     keys = open_admin(info.admin).key_count() if info.admin else None
     fleet = {"engines": len(info.engines) or 2, "router": info.router, "router_policy": info.router_policy}
     phases = phase_summaries(run.records, churn, options.slo_ttft_ms) if churn is not None else None
-    return LoadResult(info.connector, fleet, summary, run, keys, options.session_rate, churn, phases)
+    if join is not None:
+        phases = join_phases(run.records, join, options.slo_ttft_ms)
+    return LoadResult(info.connector, fleet, summary, run, keys, options.session_rate, churn, phases, join)
+
+
+def _join_watch(info: ReadyFile, add_after_s: float | None, say: Callable[[str], None]) -> JoinWatch | None:
+    """``--add-engine-after``: the watch of the router's list that asks the fleet for one engine more."""
+    if add_after_s is None:
+        return None
+    log_dir, engines = fleet_to_grow(info)
+    assert info.router is not None  # fleet_to_grow() holds it
+    say(f"{info.connector}: engine {engines + 1} is asked for {add_after_s:g} s into the load")
+    return JoinWatch(RouterWorkers(info.router), log_dir, engines, add_after_s).start()
 
 
 def _churn_watch(info: ReadyFile, kill_after_s: float | None, say: Callable[[str], None]) -> RotationWatch | None:

@@ -12,6 +12,7 @@ import typer
 from kvtool.errors import UserError
 
 from .churn import Churn
+from .join import Join
 from .metrics import LoadSummary
 from .runner import LoadRun
 from .sessions import LOAD_WORKLOADS, TraceLoad
@@ -70,6 +71,14 @@ class LoadOptions:
             "--kill-engine-after",
         ),
     ] = None
+    add_engine_after: Annotated[
+        float | None,
+        _load(
+            "a fleet scaled out: ask it for one engine more (as kvtool scale does) this many seconds into the load; "
+            "the report adds TTFT before, while it starts and warms up, and once it is in the router's rotation",
+            "--add-engine-after",
+        ),
+    ] = None
 
     @property
     def workload(self) -> str:
@@ -120,6 +129,13 @@ class LoadOptions:
                 raise UserError(f"--kill-engine-after {self.kill_engine_after:g} must be more than 0 (seconds)")
             if self.sweep_rates is not None:
                 raise UserError("--kill-engine-after kills one engine in one run: leave --sweep-rates out")
+        if self.add_engine_after is not None:
+            if not self.add_engine_after > 0:
+                raise UserError(f"--add-engine-after {self.add_engine_after:g} must be more than 0 (seconds)")
+            if self.sweep_rates is not None or self.kill_engine_after is not None:
+                raise UserError(
+                    "--add-engine-after adds one engine in one run: leave --sweep-rates and --kill-engine-after out"
+                )
         if self.sweep_rates is not None:
             if self.session_rate is not None:
                 raise UserError("--sweep-rates sets each run's session rate: leave --session-rate out")
@@ -148,7 +164,8 @@ class LoadResult:
     store_keys: float | None
     session_rate: float | None = None  # the run's session arrival rate (None: a closed loop)
     churn: Churn | None = None  # --kill-engine-after: the engine killed, when it left and rejoined
-    phases: list[dict[str, Any]] | None = None  # ... and each phase's TTFT (kvtool.load.churn)
+    phases: list[dict[str, Any]] | None = None  # ... and each phase's TTFT (kvtool.load.churn), or --add-engine-after's
+    join: Join | None = None  # --add-engine-after: when the engine was asked for and when it joined
 
     @property
     def sent_rate(self) -> float | None:

@@ -8,6 +8,7 @@ from typing import Any
 from kvtool.report import Report, ReportTable
 
 from .churn import Churn
+from .join import join_note
 from .options import LoadOptions, LoadResult
 
 COLUMNS = [
@@ -65,7 +66,12 @@ def load_report(results: list[LoadResult], options: LoadOptions, config: dict[st
     tables = [table]
     if any(result.phases for result in results):
         phases = [_phase_row(result, phase) for result in results for phase in result.phases or []]
-        tables.append(ReportTable("TTFT while an engine is down and after it rejoins", PHASE_COLUMNS, phases))
+        title = (
+            "TTFT while an engine joins the fleet and after"
+            if any(r.join for r in results)
+            else ("TTFT while an engine is down and after it rejoins")
+        )
+        tables.append(ReportTable(title, PHASE_COLUMNS, phases))
     notes = [
         "TTFT, TPOT, ITL in ms by vLLM's definitions (kvtool/load/metrics.py); goodput: requests a second within "
         f"the TTFT objective of {options.slo_ttft_ms:g} ms; reuse / ideal: tokens reused against what any "
@@ -75,6 +81,8 @@ def load_report(results: list[LoadResult], options: LoadOptions, config: dict[st
         notes += [f"{result.connector}: {difference}" for difference in result.run.differences[:3]]
         if result.churn is not None:
             notes.append(f"{result.connector}: {_churn_note(result.churn)}")
+        if result.join is not None:
+            notes.append(f"{result.connector}: {join_note(result.join)}")
     payload = {
         "what": "kvtool bench --load",
         "configuration": config,
@@ -89,6 +97,7 @@ def load_report(results: list[LoadResult], options: LoadOptions, config: dict[st
                 "differences": result.run.differences,
                 "store_keys": result.store_keys,
                 "churn": None if result.churn is None else result.churn.to_json(),
+                "join": None if result.join is None else result.join.to_json(),
                 "phases": result.phases,
                 "requests": [record.__dict__ for record in result.run.records],
             }
