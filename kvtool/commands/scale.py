@@ -14,6 +14,7 @@ from kvtool.errors import EXIT_RUNTIME, UserError
 from kvtool.report import Report, ReportTable
 
 POLL_S = 0.5
+PICKUP_S = 30.0  # a fleet reads requests every half second: this long unanswered, it does not
 
 
 @user_errors_exit
@@ -40,7 +41,7 @@ def scale_command(
     rotation once warm, or the last ones leave it, finish their requests and stop. The fleet says how it
     went in its ready file (``scaling``); this command waits for that and prints it."""
     from kvtool.pair.ready import read_ready_file
-    from kvtool.pair.scale import write_scale_request
+    from kvtool.pair.scale import withdraw_scale_request, write_scale_request
 
     output.check()
     info = read_ready_file(pair)
@@ -51,14 +52,23 @@ def scale_command(
     if not wait:
         emit(Report([], summary={"request": request.id, "engines": engines, "state": "asked"}), output)
         return
-    deadline = time.monotonic() + timeout_s
+    began = time.monotonic()
+    deadline = began + timeout_s
     while True:
         if not pair.exists():
             raise UserError(f"the fleet stopped ({pair} is gone) before it scaled", exit_code=EXIT_RUNTIME)
         info = read_ready_file(pair)
         state = info.scaling
-        if state is not None and state.request == request.id and state.state != "working":
+        taken = state is not None and state.request == request.id
+        if taken and state.state != "working":
             break
+        if not taken and time.monotonic() - began > PICKUP_S:
+            withdraw_scale_request(Path(info.log_dir), request)
+            raise UserError(
+                f"the fleet behind {info.router} did not take the request within {PICKUP_S:g} s (one started by a "
+                "kvtool without kvtool scale, or one busy with an earlier request); nothing was changed",
+                exit_code=EXIT_RUNTIME,
+            )
         if time.monotonic() > deadline:
             raise UserError(
                 f"the fleet did not scale to {engines} engine(s) within {timeout_s:g} s; it goes on trying: "

@@ -22,7 +22,7 @@ from kvtool.procs import LOOPBACK, ManagedProcess, ProcessDied, ProcessSet, Read
 from kvtool.pair.ready import ReadyFile, ReadyFileWriter, admin_url_for, ready_info
 from kvtool.pair.scale import FleetScaler
 from kvtool.pair.warmup import warm_fleet
-from kvtool.pair.router import ROUTER_LABEL, router_argv, router_binary, router_readiness
+from kvtool.pair.router import ROUTER_LABEL, ROUTER_PROCESS, router_argv, router_binary, router_readiness
 from kvtool.store.mooncake import (
     find_binary,
     lmcache_argv,
@@ -138,7 +138,7 @@ def start_engines(cfg: ServePairConfig, procs: ProcessSet, say: Reporter) -> Non
 def start_router(cfg: ServePairConfig, procs: ProcessSet, say: Reporter) -> None:
     """vLLM's router in front of the fleet's engines, once they are all healthy."""
     say(f"starting {ROUTER_LABEL} on {cfg.router_url} ({cfg.router_policy} over {cfg.engines} engines)")
-    router = procs.start("router", router_argv(cfg, router_binary()), readiness=router_readiness(cfg))
+    router = procs.start(ROUTER_PROCESS, router_argv(cfg, router_binary()), readiness=router_readiness(cfg))
     procs.wait_ready([router], timeout_s=60)
 
 
@@ -182,7 +182,7 @@ def launched_pair(
                 assert supervisor is not None
                 warm_fleet(cfg, say)  # no user request meets a first-transfer stall
                 start_router(cfg, procs, say)
-                supervisor.supervise("router", ROUTER_LABEL)
+                supervisor.supervise(ROUTER_PROCESS, ROUTER_LABEL)
                 members = fleet_members(cfg, supervisor, ready.refresh)
                 scaler = FleetScaler(cfg, procs, supervisor, members, ready.refresh, supervisor.report)
 

@@ -8,6 +8,9 @@ first transfers with the store's segments can stall (README, known issues), so i
 its warm-up (``kvtool.pair.warmup.warm_engine``) went through with the engines serving, and then
 ``/add_worker`` puts it back. The ready file lists the engines in the rotation only, and ``events``
 keeps when each left and joined (``kvtool bench --load --kill-engine-after`` reports TTFT by phase).
+An engine added or taken away on request (``kvtool.pair.scale``) joins and leaves through ``admit`` and
+``leave`` the same way. A router the supervisor started again has the worker list it was first given:
+``resync`` sets it to the engines serving.
 
 Thread rules: ``on_supervisor`` runs on the supervisor's thread; each rejoin's warm-up on a thread of
 its own (it starts no process, so it may end before the engine does); ``_lock`` guards ``out`` and
@@ -22,7 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvtool.pair.config import Reporter, ServePairConfig
-from kvtool.pair.router import RouterWorkers
+from kvtool.pair.router import ROUTER_PROCESS, RouterWorkers
 from kvtool.pair.supervise import Action, Backoff, Policy, Supervisor
 from kvtool.pair.warmup import warm_engine
 
@@ -92,15 +95,38 @@ class FleetMembers:
         return [name for name in self.cfg.engine_names if name not in out]
 
     def on_supervisor(self, name: str, action: Action) -> None:
-        """The supervisor's news of one of its processes; an engine's changes its membership."""
+        """The supervisor's news of one of its processes; an engine's changes its membership, and a
+        router started again is given the engines serving (it starts with the list it was first given)."""
+        if name == ROUTER_PROCESS and action == "recovered":
+            self._start_thread(self.resync, name)
+            return
         if name not in self.cfg.engine_names:
             return
         if action == "down":
             self._take_out(name)
         elif action == "recovered":
-            thread = threading.Thread(target=self._rejoin, args=(name,), name=f"kvtool-rejoin-{name}", daemon=True)
-            self._threads.append(thread)
-            thread.start()
+            self._start_thread(lambda: self.admit(name), name)
+
+    def _start_thread(self, target: Callable[[], object], name: str) -> None:
+        thread = threading.Thread(target=target, name=f"kvtool-members-{name}", daemon=True)
+        self._threads.append(thread)
+        thread.start()
+
+    def resync(self) -> bool:
+        """The router's worker list set to the engines serving (after the router was started again with
+        its start-up list: engines added since were not in it, engines taken away were); whether it answered."""
+        listed = self.router.urls()
+        if listed is None:
+            self.say("the router did not list its workers; its health checks keep its rotation")
+            return False
+        wanted = {self.cfg.base_url(name) for name in self.serving()}
+        added = [url for url in sorted(wanted - listed) if self.router.add(url)]
+        removed = [url for url in sorted(listed - wanted) if self.router.remove(url)]
+        if added or removed:
+            self.say(
+                f"the router's rotation set to the {len(wanted)} engine(s) serving (+{len(added)}, -{len(removed)})"
+            )
+        return True
 
     def _take_out(self, name: str) -> None:
         with self._lock:
@@ -113,9 +139,6 @@ class FleetMembers:
         how = "the router took it out" if removed else "the router did not answer; its health checks take it out"
         self.say(f"{name} is out of the rotation ({how}); {len(self.serving())} engine(s) serve on")
         self.on_change()
-
-    def _rejoin(self, name: str) -> None:
-        self.admit(name)
 
     def expect(self, name: str) -> None:
         """An engine being added to the fleet (``kvtool.pair.scale``): out of the rotation until ``admit``."""
@@ -169,6 +192,7 @@ def fleet_members(cfg: ServePairConfig, supervisor: Supervisor, on_change: Calla
     ``restart_engines`` every engine is supervised too (``supervise_engines``)."""
     assert cfg.router_url is not None
     members = FleetMembers(cfg, RouterWorkers(cfg.router_url), supervisor.report, on_change)  # said and logged
+    supervisor.on_event = members.on_supervisor  # the router's restarts too
     if cfg.restart_engines:
         supervise_engines(cfg, supervisor, members)
     return members

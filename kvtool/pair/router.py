@@ -22,6 +22,7 @@ from kvtool.pair.config import ServePairConfig
 from kvtool.procs import LOOPBACK, ReadinessCheck
 
 ROUTER_LABEL = "vLLM's router (vllm-router)"
+ROUTER_PROCESS = "router"  # its name among the fleet's processes (and in the ready file's pids)
 HEALTH_INTERVAL_S = 1  # the router's health checks of each engine
 HEALTH_FAILURES = 2  # failed in a row: the engine is out of the rotation until it passes again
 HEALTH_TIMEOUT_S = 5  # one check; a busy CPU engine answers /health within it

@@ -65,6 +65,13 @@ def write_scale_request(log_dir: Path, engines: int) -> ScaleRequest:
     return request
 
 
+def withdraw_scale_request(log_dir: Path, request: ScaleRequest) -> None:
+    """Remove ``request`` where it is still the one waiting (not one written since)."""
+    path = scale_request_path(log_dir)
+    if read_scale_request(path) == request:
+        path.unlink(missing_ok=True)
+
+
 def read_scale_request(path: Path) -> ScaleRequest | None:
     """The request in ``path``; None when there is none, or it is not one (said by ``check_target``)."""
     try:

@@ -158,3 +158,18 @@ def _eventually(condition, timeout_s: float = 10.0) -> bool:
             return True
         done.wait(0.01)
     return False
+
+
+def test_a_router_started_again_is_given_the_engines_serving(tmp_path):
+    cfg, members, router, warm, said, changes = members_of(tmp_path)
+    members.on_supervisor("engine-1", "down")  # out of the rotation
+    added = "http://127.0.0.1:9999"  # what the restarted router lists that serves no more
+    router.workers = {cfg.base_url(name) for name in cfg.engine_names} | {added}  # its start-up list, and more
+    router.calls.clear()
+    members.on_supervisor("router", "recovered")
+    members.join_threads()
+    assert router.workers == {cfg.base_url("engine-0"), cfg.base_url("engine-2")}
+    assert sorted(router.calls) == [("remove", cfg.base_url("engine-1")), ("remove", added)]
+    assert "the router's rotation set to the 2 engine(s) serving (+0, -2)" in said
+    router.answers = False
+    assert members.resync() is False and "did not list its workers" in said[-1]

@@ -180,3 +180,79 @@ def test_a_forgotten_process_is_not_started_again(processes, tmp_path):
     supervisor.tick()
     assert processes.get("engine-0") is proc and supervisor.restarts() == {}
     assert processes.first_dead() is proc  # no longer someone else's to restart
+
+
+def _fleet_ready_file(tmp_path: Path, router: str | None = "http://127.0.0.1:8000") -> Path:
+    from kvtool.files import write_json_atomically
+    from kvtool.pair.ready import ReadyFile
+
+    engines = {"engine-0": "http://127.0.0.1:8100", "engine-1": "http://127.0.0.1:8101"}
+    info = ReadyFile(
+        producer="p",
+        consumer="c",
+        model="m",
+        block_size=32,
+        hash_unit=1,
+        max_model_len=2048,
+        connector="kvtool",
+        router=router,
+        engines=engines if router else {},
+        pids={"engine-0": 10, "engine-1": 11},
+        log_dir=str(tmp_path),
+    )
+    path = tmp_path / "ready.json"
+    write_json_atomically(path, info.to_json())
+    return path
+
+
+def _scale_cli(*args: str):
+    from typer.testing import CliRunner
+
+    from kvtool.cli import app
+
+    return CliRunner().invoke(app, ["scale", *args])
+
+
+def test_kvtool_scale_waits_for_the_fleets_outcome_and_prints_the_engines_serving(tmp_path):
+    import json
+    import threading
+
+    from kvtool.files import write_json_atomically
+    from kvtool.pair.ready import ScaleState, read_ready_file
+
+    ready = _fleet_ready_file(tmp_path)
+
+    def fleet_answers() -> None:  # what the fleet's scaler does: read the request, write the outcome
+        deadline = time.monotonic() + 20
+        while (request := read_scale_request(scale_request_path(tmp_path))) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert request is not None and request.engines == 3
+        info = read_ready_file(ready)
+        engines = {**info.engines, "engine-2": "http://127.0.0.1:8102"}
+        state = ScaleState(request=request.id, target=3, state="done", message="3 engines, 3 in the router's rotation")
+        write_json_atomically(ready, info.model_copy(update={"engines": engines, "scaling": state}).to_json())
+
+    thread = threading.Thread(target=fleet_answers)
+    thread.start()
+    result = _scale_cli("--pair", str(ready), "--engines", "3", "--format", "json")
+    thread.join()
+    assert result.exit_code == 0, result.output
+    document = json.loads(result.stdout)
+    assert document["state"] == "done" and [row["engine"] for row in document["serving"]] == [
+        "engine-0",
+        "engine-1",
+        "engine-2",
+    ]
+
+
+def test_kvtool_scale_says_in_one_sentence_what_it_cannot_do(tmp_path, monkeypatch):
+    pair = _fleet_ready_file(tmp_path, router=None)
+    result = _scale_cli("--pair", str(pair), "--engines", "3")
+    assert result.exit_code == 2 and "only a fleet scales" in result.output and "Traceback" not in result.output
+    monkeypatch.setattr("kvtool.commands.scale.PICKUP_S", 0.3)
+    ready = _fleet_ready_file(tmp_path)  # no fleet reads its requests
+    result = _scale_cli("--pair", str(ready), "--engines", "3")
+    assert result.exit_code == 1 and "did not take the request within 0.3 s" in result.output
+    assert not scale_request_path(tmp_path).exists()  # withdrawn: nothing acts on it later
+    result = _scale_cli("--pair", str(tmp_path / "absent.json"), "--engines", "3")
+    assert result.exit_code == 2 and "cannot read the ready file" in result.output
