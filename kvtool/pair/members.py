@@ -170,8 +170,8 @@ class FleetMembers:
         if cold:
             self.say(f"{name} rejoins with {len(cold)} path(s) still cold: such a load fails closed (a miss)")
         with self._lock:
-            if self._downs.get(name, 0) != downs or not wanted():
-                return False  # it went down again while warming: the next recovery rejoins it
+            if self._downs.get(name, 0) != downs or not wanted() or name not in self.cfg.engine_names:
+                return False  # it went down again while warming (the next recovery rejoins it), or was scaled in
         if not self.router.add(self.cfg.base_url(name)):
             self.say(f"{name} could not be put in the router's rotation (it did not answer); it stays out")
             return False

@@ -222,7 +222,9 @@ class FleetScaler:
             note = "warming it up before it rejoins the router's rotation"
             self.supervisor.supervise(name, name, engine_policy(grown), note)
         if not self.members.admit(name, wanted=lambda: not self._stop.is_set()):
-            raise UserError(f"{name} started but could not join the router's rotation; see the fleet's log")
+            self.supervisor.forget(name)
+            self._let_go(name)  # an engine no request reaches is no engine of the fleet
+            raise UserError(f"{name} started but could not join the router's rotation, and was stopped")
 
     def _wait_healthy(self, proc: ManagedProcess, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

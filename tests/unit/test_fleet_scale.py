@@ -142,6 +142,24 @@ def test_an_engine_that_dies_at_start_fails_the_request_and_leaves_the_fleet_as_
     assert set(fleet_.ready().engines) == {"engine-0", "engine-1"}
 
 
+def test_an_engine_the_router_does_not_take_is_stopped_and_the_fleet_stays_as_it_was(processes, tmp_path):
+    fleet_ = Fleet(processes, tmp_path)
+    fleet_.router.answers = False  # /add_worker unanswered
+    state = fleet_.scaler.scale(ScaleRequest("a", 3))
+    assert state.state == "failed" and "could not join the router's rotation, and was stopped" in state.message
+    assert [p.name for p in processes.processes] == ["engine-0", "engine-1"] and fleet_.scaler.cfg.engines == 2
+    assert "engine-2" not in fleet_.supervisor.labels and fleet_.members.out == frozenset()
+
+
+def test_a_rejoin_under_way_when_its_engine_is_scaled_in_does_not_put_it_back(tmp_path):
+    cfg = fleet(tmp_path)
+    router = ScriptedRouter({cfg.base_url(name) for name in cfg.engine_names})
+    members = FleetMembers(cfg, router, lambda _: None, lambda: None, warm=lambda *args: set())  # type: ignore[arg-type]
+    members.on_supervisor("engine-2", "down")
+    members.cfg = scaled_config(cfg, 2)  # scaled in while it was down
+    assert members.admit("engine-2") is False and router.calls == [("remove", cfg.base_url("engine-2"))]
+
+
 def test_an_added_engines_port_in_use_is_named_and_nothing_starts(processes, tmp_path):
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
