@@ -44,10 +44,6 @@ def check_fleet(cfg: ServePairConfig) -> None:
         return
     if cfg.engines < 2:
         raise UserError(f"--engines {cfg.engines} is no fleet; give 2 or more (or leave it out for the pair)")
-    if cfg.starts_lmcache:
-        raise UserError(
-            "--engines with --connector lmcache is not supported yet; pick kvtool, vllm-mooncake-store or none"
-        )
 
 
 def check_model(cfg: ServePairConfig) -> None:

@@ -98,7 +98,6 @@ def test_the_ready_file_sends_both_roles_through_the_router_and_lists_the_engine
     [
         ({"engines": 1}, "--engines 1 is no fleet"),
         ({"engines": 2, "engine_ports": (9001,)}, "--engine-port is given 1 time(s) for --engines 2"),
-        ({"engines": 2, "connector": "lmcache"}, "--connector lmcache is not supported yet"),
         ({"engines": 2, "producer_port": 8000, "router_port": 8001}, "both 8001"),
     ],
 )
@@ -245,3 +244,13 @@ def test_a_cpu_engine_starts_without_aot_compile_unless_the_operator_set_it(tmp_
     assert engine_env(cfg, "engine-0", base={"VLLM_USE_AOT_COMPILE": "1"})["VLLM_USE_AOT_COMPILE"] == "1"
     monkeypatch.setattr("kvtool.pair.engines.is_cpu_vllm", lambda: False)
     assert "VLLM_USE_AOT_COMPILE" not in engine_env(cfg, "engine-0", base={})
+
+
+def test_a_fleet_of_lmcache_engines_shares_one_multiprocess_server(tmp_path):
+    cfg = fleet(tmp_path, connector="lmcache")
+    check_values(cfg)  # no refusal: every engine kv_both, on the one server at --store-port
+    for name in cfg.engine_names:
+        transfer = kv_transfer_config(cfg, name)
+        assert transfer["kv_role"] == "kv_both"
+        assert transfer["kv_connector_extra_config"]["lmcache.mp.port"] == cfg.store_port
+        assert engine_env(cfg, name)["PYTHONHASHSEED"] == "0"  # its chunk keys agree across engines
