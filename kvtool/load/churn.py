@@ -54,9 +54,38 @@ def victim(info: ReadyFile) -> tuple[str, str, int]:
     return name, info.engines[name], info.pids[name]
 
 
-class RotationWatch:
-    """Polls the router's worker list on a thread; kills the victim at ``kill_after_s``. ``observe`` is
-    the rule, tested without a thread."""
+class ListWatch:
+    """Polls the router's worker list on a thread from the load's start (``start``) until ``halt``;
+    a subclass's ``observe`` is its rule (what to do when, what the list shows), tested without a thread."""
+
+    def __init__(self, router: RouterWorkers, clock: Callable[[], float]) -> None:
+        self.router = router
+        self.clock = clock
+        self._stop = threading.Event()
+        self._began = clock()
+        self._thread = threading.Thread(target=self._run, name=f"kvtool-{type(self).__name__}", daemon=True)
+
+    def start(self) -> ListWatch:
+        """From now on: the load's start."""
+        self._began = self.clock()
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(POLL_S):
+            self.observe(self.clock() - self._began, self.router.urls())
+
+    def observe(self, now_s: float, urls: set[str] | None) -> None:
+        raise NotImplementedError
+
+    def halt(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(10)
+
+
+class RotationWatch(ListWatch):
+    """Kills the victim at ``kill_after_s`` and sees it leave the router's list and come back."""
 
     def __init__(
         self,
@@ -68,26 +97,12 @@ class RotationWatch:
         clock: Callable[[], float] = time.monotonic,
         kill: Callable[[int], None] = lambda pid: os.killpg(pid, signal.SIGKILL),
     ) -> None:
-        self.router = router
+        super().__init__(router, clock)
         self.url = url
         self.pid = pid
         self.kill_after_s = kill_after_s
-        self.clock = clock
         self.kill = kill
         self._churn = Churn(engine, url)
-        self._stop = threading.Event()
-        self._began = clock()
-        self._thread = threading.Thread(target=self._run, name="kvtool-rotation-watch", daemon=True)
-
-    def start(self) -> RotationWatch:
-        """From now on: the load's start."""
-        self._began = self.clock()
-        self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        while not self._stop.wait(POLL_S):
-            self.observe(self.clock() - self._began, self.router.urls())
 
     def observe(self, now_s: float, urls: set[str] | None) -> None:
         """One poll at ``now_s`` (the kill when due, then the victim's place in the list)."""
@@ -109,26 +124,28 @@ class RotationWatch:
         return self._churn
 
     def stop(self) -> Churn:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(10)
+        self.halt()
         return self._churn
 
 
 def phase_summaries(records: Sequence[RequestRecord], churn: Churn, slo_ttft_ms: float | None) -> list[dict[str, Any]]:
     """The requests of each phase (``before``, ``down``, ``rejoined``) by when they were sent, with
     their count, failures and TTFT percentiles; a phase with no request is left out."""
-    killed = churn.killed_s if churn.killed_s is not None else float("inf")
-    back = churn.back_s if churn.back_s is not None else float("inf")
-    return phases_between(
-        records, [("before", 0.0, killed), ("down", killed, back), ("rejoined", back, float("inf"))], slo_ttft_ms
-    )
+    return three_phases(records, ("before", "down", "rejoined"), churn.killed_s, churn.back_s, slo_ttft_ms)
 
 
-def phases_between(
-    records: Sequence[RequestRecord], bounds: Sequence[tuple[str, float, float]], slo_ttft_ms: float | None
+def three_phases(
+    records: Sequence[RequestRecord],
+    names: tuple[str, str, str],
+    first_s: float | None,
+    second_s: float | None,
+    slo_ttft_ms: float | None,
 ) -> list[dict[str, Any]]:
-    """Each named phase's requests (sent in ``[start, end)``, seconds into the load), summarized."""
+    """The requests sent before ``first_s``, between it and ``second_s``, and after (seconds into the
+    load; None: not seen, so the phase before it runs to the end), each phase summarized."""
+    first = first_s if first_s is not None else float("inf")
+    second = second_s if second_s is not None else float("inf")
+    bounds = [(names[0], 0.0, first), (names[1], first, second), (names[2], second, float("inf"))]
     phases = []
     for name, start, end in bounds:
         chosen = [record for record in records if start <= record.sent_s < end]

@@ -10,7 +10,6 @@ percentiles (``join_phases``, pure).
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -22,7 +21,7 @@ from kvtool.pair.ready import ReadyFile
 from kvtool.pair.router import RouterWorkers
 from kvtool.pair.scale import write_scale_request
 
-from .churn import POLL_S, phases_between
+from .churn import ListWatch, three_phases
 from .metrics import RequestRecord
 
 
@@ -50,9 +49,8 @@ def fleet_to_grow(info: ReadyFile) -> tuple[Path, int]:
     return Path(info.log_dir), len(info.engines)
 
 
-class JoinWatch:
-    """Asks for the engine at ``add_after_s`` and polls the router's list on a thread; ``observe`` is
-    the rule, tested without a thread."""
+class JoinWatch(ListWatch):
+    """Asks for the engine at ``add_after_s`` and sees a new one in the router's list."""
 
     def __init__(
         self,
@@ -63,27 +61,18 @@ class JoinWatch:
         clock: Callable[[], float] = time.monotonic,
         ask: Callable[[Path, int], object] = write_scale_request,
     ) -> None:
-        self.router = router
+        super().__init__(router, clock)
         self.log_dir = log_dir
         self.add_after_s = add_after_s
-        self.clock = clock
         self.ask = ask
         self._join = Join(engines_before)
         self._known: set[str] | None = None  # the router's list at the load's start
-        self._stop = threading.Event()
-        self._began = clock()
-        self._thread = threading.Thread(target=self._run, name="kvtool-join-watch", daemon=True)
 
     def start(self) -> JoinWatch:
-        """From now on: the load's start."""
+        """From now on: the load's start (the router's list now is what a new engine is new to)."""
         self._known = self.router.urls()
-        self._began = self.clock()
-        self._thread.start()
+        super().start()
         return self
-
-    def _run(self) -> None:
-        while not self._stop.wait(POLL_S):
-            self.observe(self.clock() - self._began, self.router.urls())
 
     def observe(self, now_s: float, urls: set[str] | None) -> None:
         """One poll at ``now_s``: the request when due, then whether a new engine is in the list."""
@@ -103,19 +92,14 @@ class JoinWatch:
         return self._join
 
     def stop(self) -> Join:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(10)
+        self.halt()
         return self._join
 
 
 def join_phases(records: Sequence[RequestRecord], join: Join, slo_ttft_ms: float | None) -> list[dict[str, Any]]:
     """The requests of each phase (``before``, ``joining``, ``joined``) by when they were sent, with
     their count, failures and TTFT percentiles; a phase with no request is left out."""
-    asked = join.asked_s if join.asked_s is not None else float("inf")
-    joined = join.joined_s if join.joined_s is not None else float("inf")
-    bounds = [("before", 0.0, asked), ("joining", asked, joined), ("joined", joined, float("inf"))]
-    return phases_between(records, bounds, slo_ttft_ms)
+    return three_phases(records, ("before", "joining", "joined"), join.asked_s, join.joined_s, slo_ttft_ms)
 
 
 def join_note(join: Join) -> str:

@@ -202,22 +202,11 @@ def test_a_forgotten_process_is_not_started_again(processes, tmp_path):
 
 def _fleet_ready_file(tmp_path: Path, router: str | None = "http://127.0.0.1:8000") -> Path:
     from kvtool.files import write_json_atomically
-    from kvtool.pair.ready import ReadyFile
+
+    from .test_load_churn import _ready
 
     engines = {"engine-0": "http://127.0.0.1:8100", "engine-1": "http://127.0.0.1:8101"}
-    info = ReadyFile(
-        producer="p",
-        consumer="c",
-        model="m",
-        block_size=32,
-        hash_unit=1,
-        max_model_len=2048,
-        connector="kvtool",
-        router=router,
-        engines=engines if router else {},
-        pids={"engine-0": 10, "engine-1": 11},
-        log_dir=str(tmp_path),
-    )
+    info = _ready(engines if router else {}, router=router).model_copy(update={"log_dir": str(tmp_path)})
     path = tmp_path / "ready.json"
     write_json_atomically(path, info.to_json())
     return path
