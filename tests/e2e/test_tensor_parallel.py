@@ -45,16 +45,23 @@ def _keys(pair: RunningPair, tokens: list[int], namespace: str) -> PromptKeys:
 
 
 def test_every_rank_saves_its_share_and_a_consumer_loads_them_all(tp_pair):
-    tokens, saved = produce_whole(tp_pair, 9101, LENGTH)
-    assert len(saved.tp_namespaces) == TP and saved.tp_namespaces[0] == saved.namespace
-    admin = open_admin(tp_pair.admin)
-    keys = _keys(tp_pair, tokens, saved.namespace)
-    for key in (keys.block_key(0), keys.block_key(1), keys.tail_key(LENGTH)):
-        on_ranks = keys_on_every_rank(key, saved.tp_namespaces)
-        assert len(set(on_ranks)) == TP and all(admin.exists(k) for k in on_ranks), on_ranks
-        assert {decode_key(k).namespace for k in on_ranks} == set(saved.tp_namespaces)
+    # A fresh prompt per try: a load that meets Mooncake's first-transfer stall (README, known issues)
+    # is given up as a transport failure and recomputed (consume checks the answer), and the next
+    # prompt tries again; the prompt itself would now be in vLLM's own cache.
+    for attempt in range(3):
+        tokens, saved = produce_whole(tp_pair, 9101 + 100 * attempt, LENGTH)
+        assert len(saved.tp_namespaces) == TP and saved.tp_namespaces[0] == saved.namespace
+        admin = open_admin(tp_pair.admin)
+        keys = _keys(tp_pair, tokens, saved.namespace)
+        for key in (keys.block_key(0), keys.block_key(1), keys.tail_key(LENGTH)):
+            on_ranks = keys_on_every_rank(key, saved.tp_namespaces)
+            assert len(set(on_ranks)) == TP and all(admin.exists(k) for k in on_ranks), on_ranks
+            assert {decode_key(k).namespace for k in on_ranks} == set(saved.tp_namespaces)
 
-    details, _ = consume(tp_pair, tokens)  # checked against a recomputation (logprobs)
+        details, _ = consume(tp_pair, tokens)  # checked against a recomputation (logprobs)
+        if details.load_failure is None:
+            break
+        assert details.load_failure in TRANSPORT_CAUSES, details
     assert details.lookup == "hit" and details.load_failure is None
     assert details.external_hit_tokens == LENGTH - 1  # vLLM computes the last prompt token itself
     assert details.tail_hit_tokens == LENGTH - 1 - 2 * tp_pair.block_size
