@@ -8,7 +8,9 @@ log directory (``scale_request_path``); the fleet that wrote the ready file (``s
   fleet was given ``--engine-port``), and joins the router's rotation only once healthy and warm with
   the engines serving (``FleetMembers.admit``: its first transfers with the store's segments went
   through, so Mooncake's first-transfer stall never meets a user's request); from then on it is
-  supervised like the others.
+  supervised like the others. It is started only where the host has the memory a serving engine of
+  the fleet takes now, and a margin (``kvtool.pair.hostmemory``); otherwise the request fails in one
+  sentence and nothing is started.
 - **In**: the fleet's last engine leaves the rotation at once (``/remove_worker``), finishes the
   requests it holds (its ``/metrics``, at most ``DRAIN_TIMEOUT_S``), and is stopped by its pid. What
   its segment lent the store becomes misses (with the fleet's standalone store, nothing is lost).
@@ -36,6 +38,7 @@ from kvtool.errors import UserError
 from kvtool.files import write_json_atomically
 from kvtool.pair.config import FLEET_PREFIX, REPO_ROOT, Reporter, ServePairConfig
 from kvtool.pair.engines import engine_argv, engine_env
+from kvtool.pair.hostmemory import HostMemory, check_room, largest_engine
 from kvtool.pair.members import RESTART_GRACE_FACTOR, FleetMembers, engine_policy
 from kvtool.pair.ready import ScalePhase, ScaleState
 from kvtool.pair.supervise import Supervisor
@@ -136,6 +139,7 @@ class FleetScaler:
         say: Reporter,
         drain_timeout_s: float = DRAIN_TIMEOUT_S,
         launch: Launch | None = None,
+        memory: HostMemory | None = None,
     ) -> None:
         self.cfg = cfg  # the fleet now: swapped whole as engines are added and removed
         self.procs = procs
@@ -145,6 +149,7 @@ class FleetScaler:
         self.say = say
         self.drain_timeout_s = drain_timeout_s
         self.launch = launch or start_engine
+        self.memory = memory or HostMemory()
         self.request_path = scale_request_path(cfg.log_dir)
         self.state: ScaleState | None = None
         self._lock = threading.Lock()
@@ -206,6 +211,8 @@ class FleetScaler:
         grown = scaled_config(self.cfg, self.cfg.engines + 1)
         port = grown.port(name)
         ensure_port_free(port, f"the port of {name} (--producer-port + {name.removeprefix(FLEET_PREFIX)})")
+        engines = [(proc.name, proc.pid) for proc in self.procs.processes if proc.name.startswith(FLEET_PREFIX)]
+        check_room(name, largest_engine(self.memory, engines), self.memory.available())
         self.members.expect(name)  # out of the rotation, and of the ready file, until admitted
         self.cfg = self.members.cfg = grown
         with self._lock:
