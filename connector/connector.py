@@ -28,6 +28,7 @@ from .config import KV_ROLES, LOADING_ROLES, SAVING_ROLES, ConfigError, check_bl
 from .data import KVToolMetadata, KVToolWorkerMeta
 from .worker.layout import EngineLayout, UnsupportedLayout, check_attention_layout, engine_layout, state_reuse_warnings
 from .scheduler.hooktime import HookClock, on_engine_thread
+from .core import native
 from .core.keys import Namespace
 from .metrics import KVToolStats
 from .core.ranks import rank_namespace
@@ -81,6 +82,7 @@ class KVToolConnector(KVConnectorBase_V1, SupportsHMA):
             match_unit = getattr(vllm_config.cache_config, "prefix_match_unit", None)
             for warning in state_reuse_warnings(self.layout.groups, self.config.hash_unit, match_unit, saves_enabled):
                 logger.warning("kvtool: %s", warning)
+            logger.info("kvtool: keys are built by %s", native.describe())
         self.namespace = self.layout.namespace if self.layout is not None else None
         self._breaker = CircuitBreaker(breaker_policy(self.config))  # the store's health, which both sides consult
         self._store = self._open_store(role) if self.layout is not None else None

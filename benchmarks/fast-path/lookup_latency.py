@@ -8,7 +8,11 @@ read), half is unseen. Wall ms per batch, p50 and p99 over ``--batches`` batches
 floor the master sets: the same existence queries (the same keys, in the same calls) sent straight
 through the Mooncake client's ``batch_is_exist`` right after each batch.
 
-    .venv/bin/python benchmarks/fast-path/lookup_latency.py [--block-size 32] [--divergence-grid N] [--out FILE]
+    .venv/bin/python benchmarks/fast-path/lookup_latency.py [--block-size 32] [--divergence-grid N] [--python-too]
+        [--out FILE]
+
+``--python-too``: every batch runs twice, with the C key builder and with the pure-Python reference,
+in turns; both are reported (``python_key_builder``).
 """
 
 from __future__ import annotations
@@ -19,10 +23,13 @@ import os
 import random
 import statistics
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 os.environ.update({"MC_TCP_BIND_ADDRESS": "127.0.0.1", "VLLM_HOST_IP": "127.0.0.1"})
 
+from connector.core import native  # noqa: E402
 from connector.config import divergence_grid, lead_pointers, load_config  # noqa: E402
 from connector.core.hashing import RequestIdentity  # noqa: E402
 from connector.scheduler.lookups import POINTER_READ_SHARE, pointer_reader  # noqa: E402
@@ -133,12 +140,61 @@ def summary(times: list[float], store_times: list[float], floors: list[float], k
     }
 
 
+@dataclass
+class Lookup:
+    """What one timed lookup batch runs: its prompts' keys, the store's calls (timed), the master's floor."""
+
+    keys_for: Callable[[list[int]], PromptKeys]
+    exists: Callable
+    read: Callable
+    extend_min_tokens: int
+    clock: StoreClock
+    client: object
+
+    def timed(self, batch: list[list[int]], samples: tuple[list[float], ...]) -> None:
+        times, store_times, floors, keys = samples
+        self.clock.seconds, self.clock.queries = 0.0, []
+        t0 = time.perf_counter()
+        find_stored_prefixes(
+            [self.keys_for(tokens) for tokens in batch], self.exists, self.read, self.extend_min_tokens
+        )
+        times.append((time.perf_counter() - t0) * 1e3)
+        store_times.append(self.clock.seconds * 1e3)
+        floors.append(raw_floor(self.client, self.clock.queries))
+        keys.append(sum(len(query) for query in self.clock.queries))
+
+
+def run_levels(
+    lookup: Lookup, builders: dict, batches: int, new: Callable[[int], list[list[int]]]
+) -> dict[str, dict[str, dict[str, float]]]:
+    """Each level's summary, per key builder (``builders``: name -> module or None; empty: the default)."""
+    results: dict[str, dict[str, dict[str, float]]] = {name: {} for name in builders or {"default": None}}
+    for level in LEVELS:
+        samples: dict[str, tuple[list[float], ...]] = {name: ([], [], [], []) for name in results}
+        for index in range(batches):
+            batch = new(level)
+            # Each builder runs the same batch, in turns (first one, then the other first), so the
+            # machine's drift and the master's warm caches favour neither.
+            for name in list(results)[:: 1 if index % 2 == 0 else -1]:
+                if builders:
+                    native.KEYS = builders[name]
+                lookup.timed(batch, samples[name])
+        for name in results:
+            results[name][str(level)] = summary(*samples[name])
+            print(name, level, results[name][str(level)], flush=True)
+    native.KEYS = builders.get("c", native.KEYS)
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--batches", type=int, default=40)
     parser.add_argument("--divergence-grid", type=int, default=None, help="pointer grid in tokens (default: auto)")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--python-too", action="store_true", help="run each batch with the pure-Python key builder too, in turns"
+    )
     args = parser.parse_args()
     bs = args.block_size
     master = LocalMaster().start()
@@ -168,20 +224,9 @@ def main() -> None:
         exists = clock.timed(store.exists, record=True)
         client = raw_client(store)
         read = clock.timed(pointer_reader(store, config.lookup_timeout_s * POINTER_READ_SHARE, bs))
-        results = {}
-        for level in LEVELS:
-            times, store_times, floors, keys = [], [], [], []
-            for _ in range(args.batches):
-                batch = new_batch(rng, level, stored_prompts, bs)
-                clock.seconds, clock.queries = 0.0, []
-                t0 = time.perf_counter()
-                find_stored_prefixes([keys_for(tokens) for tokens in batch], exists, read, config.extend_min_tokens)
-                times.append((time.perf_counter() - t0) * 1e3)
-                store_times.append(clock.seconds * 1e3)
-                floors.append(raw_floor(client, clock.queries))
-                keys.append(sum(len(query) for query in clock.queries))
-            results[str(level)] = summary(times, store_times, floors, keys)
-            print(level, results[str(level)], flush=True)
+        builders = {"c": native.KEYS, "python": None} if args.python_too and native.KEYS is not None else {}
+        lookup = Lookup(keys_for, exists, read, config.extend_min_tokens, clock, client)
+        results = run_levels(lookup, builders, args.batches, lambda level: new_batch(rng, level, stored_prompts, bs))
         store.close()
     finally:
         master.stop()
@@ -193,9 +238,15 @@ def main() -> None:
         "hash_unit": config.hash_unit,
         "divergence_grid": grid,
         "batches": args.batches,
-        "lookup_ms_by_batch": results,
-        "lookup_p99_ms": {level: row["p99_ms"] for level, row in results.items()},
+        "key_builder": native.describe(),
+        "lookup_ms_by_batch": results[next(iter(results))],
+        "lookup_p99_ms": {level: row["p99_ms"] for level, row in results[next(iter(results))].items()},
     }
+    if "python" in results:  # the same batches with the pure-Python reference builder, in turns with the C one
+        out["python_key_builder"] = {
+            "lookup_ms_by_batch": results["python"],
+            "lookup_p99_ms": {level: row["p99_ms"] for level, row in results["python"].items()},
+        }
     write_result(out, args.out, echo=False)
 
 

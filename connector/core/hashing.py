@@ -16,6 +16,8 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from . import native
+
 HASH_BYTES = 16  # 128-bit chain values
 
 _ROOT_TAG = b"kvtool-root-v1"
@@ -104,6 +106,13 @@ def block_hashes(tokens: Sequence[int], block_size: int, root: bytes, packed: by
         return []
     # ``_digest(_BLOCK_TAG, parent, block's token bytes)``, with the tokens packed once for every block.
     packed = memoryview(packed if packed is not None else _token_bytes(tokens[: count * block_size]))
+    if native.KEYS is not None:
+        return native.KEYS.block_chain(packed[: 4 * count * block_size], block_size, root)
+    return reference_block_chain(packed, block_size, count, root)
+
+
+def reference_block_chain(packed: memoryview, block_size: int, count: int, root: bytes) -> list[bytes]:
+    """``block_hashes`` in Python: the reference the C key builder is held to."""
     tag = struct.pack("<I", len(_BLOCK_TAG)) + _BLOCK_TAG
     size = struct.pack("<I", 4 * block_size)
     hashes: list[bytes] = []
@@ -146,10 +155,21 @@ def tail_hashes(
     low, high = min(boundaries), max(boundaries)  # every boundary strictly inside the block, none past the end
     if low <= tail_start or high >= tail_start + block_size or high > len(tokens):
         raise ValueError(f"boundaries {list(boundaries)} are not all inside one block of the {len(tokens)} tokens")
+    if native.KEYS is not None:
+        whole = packed if packed is not None else _token_bytes(tokens[:high])
+        return native.KEYS.tail_digests(whole, tail_start, boundaries, parent)
     if packed is None:
         packed = _token_bytes(tokens[tail_start:high])
     else:
         packed = memoryview(packed)[4 * tail_start : 4 * high]
+    return reference_tail_digests(packed, tail_start, boundaries, parent)
+
+
+def reference_tail_digests(
+    packed: bytes | memoryview, tail_start: int, boundaries: Sequence[int], parent: bytes
+) -> list[bytes]:
+    """``tail_hashes`` in Python (``packed``: the tokens from the block's start on), the reference the
+    C key builder is held to."""
     prefix = hashlib.blake2b(digest_size=HASH_BYTES)
     for part in (_TAIL_TAG, parent):
         prefix.update(struct.pack("<I", len(part)))

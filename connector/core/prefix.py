@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from . import native
 from .groups import CacheGroup, GroupKind
 from .hashing import block_hashes, pack_tokens, save_tail_boundary, tail_boundaries, tail_hash, tail_hashes
 from .keys import KeyKind, object_key, object_key_prefix
@@ -282,8 +283,18 @@ class PromptKeys:
 
     def _refs_of(self, kind: KeyKind, ends: list[int], group: int) -> list[ObjectRef]:
         """The tail or pointer refs at ``ends`` (their hashes known), made where not made yet."""
+        if not ends:
+            return []
+        prefix = object_key_prefix(self.namespace, group, kind)
+        if native.KEYS is not None:  # the loop below, in C (the same keys, refs and caches)
+            return native.KEYS.build_refs(
+                ObjectRef, prefix, group, kind, self.block_size, ends, self._tails, self._refs, self._by_key
+            )
+        return self.reference_refs(prefix, kind, ends, group)
+
+    def reference_refs(self, prefix: str, kind: KeyKind, ends: list[int], group: int) -> list[ObjectRef]:
+        """``_refs_of`` in Python: the reference the C key builder is held to."""
         refs, by_key, hashes, bs, found = self._refs, self._by_key, self._tails, self.block_size, []
-        prefix = object_key_prefix(self.namespace, group, kind) if ends else ""
         for end in ends:
             ref = refs.get((kind, end, group))
             if ref is None:  # ``_keep``, inline: a lookup at hash unit 1 makes a whole block's refs
