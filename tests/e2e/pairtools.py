@@ -29,6 +29,14 @@ TRANSPORT_CAUSES = ("missing", "timeout", "store_error", "slow")
 GENERATE = 6
 
 
+def held_back(details: HitDetails) -> bool:
+    """Whether the store, not the stored data, kept this request from loading: its load failed for a
+    transport cause (``TRANSPORT_CAUSES``), or its lookup was not answered because the store was failing or
+    slow (a stall opens the breaker, which then bypasses the store for a while: ``error: ...``). A miss
+    either way, with an exact answer; a test asks again once the store is used again."""
+    return details.load_failure in TRANSPORT_CAUSES or details.lookup.startswith("error:")
+
+
 class RunningPair(ReadyFile):
     """A pair as the end-to-end tests hold it: the ready file serve-pair first wrote (typed,
     ``kvtool.pair.ready.ReadyFile``) and what the test set it up with."""
@@ -208,6 +216,21 @@ def consume(
 
 
 _pointer_reads_warm: set[str] = set()  # consumers whose lookups read pointers (by URL)
+
+
+STALL_RETRY_S = 180.0
+
+
+def consume_while_held_back(pair: RunningPair, tokens: list[int], engine: str = "consumer") -> HitDetails:
+    """``consume`` (which checks the answer against a recomputation), asked again while the store held the
+    request back (``held_back``: a load that stalled on a first transfer from a segment, README known
+    issues, or the store bypassed after one), at most ``STALL_RETRY_S``; the last request's details."""
+    deadline = time.monotonic() + STALL_RETRY_S
+    while True:
+        details, _ = consume(pair, tokens, engine)
+        if not held_back(details) or time.monotonic() > deadline:
+            return details
+        time.sleep(2.0)  # past the breaker's back-off, should the stall have opened it
 
 
 def warm_pointer_reads(pair: RunningPair, timeout_s: float = 120.0) -> None:
