@@ -234,6 +234,9 @@ class PromptKeys:
         """Where a stored prefix may end inside block ``block_index``: a tail (on the hash-unit grid)
         or a pointer (on the divergence grid)."""
         ends = self._inner.get(block_index)
+        if ends is None and self.hash_unit == 1:
+            # Every end inside the block is a tail's (token-exact), the pointers' among them: no union.
+            ends = self._inner[block_index] = self.tail_candidates(block_index)
         if ends is None:
             found = set(self.tail_candidates(block_index))
             if self.grid:
