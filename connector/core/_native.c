@@ -224,6 +224,10 @@ static PyObject *build_refs(PyObject *Py_UNUSED(self), PyObject *args) {
     if (!PyArg_ParseTuple(args, "O!UOOnOO!O!O!", &PyType_Type, &ref_type, &prefix, &group, &kind, &block_size, &ends,
                           &PyDict_Type, &hashes, &PyDict_Type, &refs, &PyDict_Type, &by_key))
         return NULL;
+    if (block_size <= 0) {
+        PyErr_SetString(PyExc_ValueError, "block_size must be positive");
+        return NULL;
+    }
     if (!PyType_IsSubtype((PyTypeObject *)ref_type, &PyTuple_Type)) {
         PyErr_SetString(PyExc_TypeError, "ref_type must be a tuple type");
         return NULL;
@@ -301,6 +305,8 @@ static PyMethodDef METHODS[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef MODULE = {PyModuleDef_HEAD_INIT, "_native", "kvtool's key builder in C.", -1, METHODS};
+static struct PyModuleDef MODULE = {
+    PyModuleDef_HEAD_INIT, "_native", "kvtool's key builder in C.", -1, METHODS, NULL, NULL, NULL, NULL,
+};
 
 PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&MODULE); }

@@ -98,6 +98,8 @@ def test_the_c_builder_refuses_bad_input_with_python_errors():
         C.tail_digests(keys._packed, 32, [41], b"")
     with pytest.raises(ValueError, match="block_size must be positive"):
         C.block_chain(b"", 0, b"")
+    with pytest.raises(ValueError, match="block_size must be positive"):
+        C.build_refs(ObjectRef, "p/", 0, KeyKind.TAIL, 0, [5], {5: b"x"}, {}, {})
     assert C.block_chain(b"\0" * 7, 2, b"") == []  # less than one block of packed tokens
 
 
