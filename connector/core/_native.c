@@ -135,7 +135,7 @@ static PyObject *block_chain(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_ssize_t root_len;
     if (!PyArg_ParseTuple(args, "y*ny#", &packed, &block_size, &root, &root_len)) return NULL;
     PyObject *out = NULL;
-    if (block_size <= 0) {
+    if (block_size <= 0 || block_size > PY_SSIZE_T_MAX / 4) {
         PyErr_SetString(PyExc_ValueError, "block_size must be positive");
         goto done;
     }
@@ -185,14 +185,14 @@ static PyObject *tail_digests(PyObject *Py_UNUSED(self), PyObject *args) {
     for (Py_ssize_t i = 0; i < n; i++) {
         Py_ssize_t end = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(seq, i));
         if (end == -1 && PyErr_Occurred()) goto fail;
-        Py_ssize_t from = 4 * tail_start, size = 4 * (end - tail_start);
-        if (tail_start < 0 || size <= 0 || from + size > packed.len) {
+        /* In tokens first: ``4 *`` an id count past the buffer could wrap around. */
+        if (tail_start < 0 || end <= tail_start || end > packed.len / 4) {
             PyErr_Format(PyExc_ValueError, "tail end %zd is not inside the packed tokens after %zd", end, tail_start);
             goto fail;
         }
         blake2b_state s = prefix;
         uint8_t digest[DIGEST];
-        b2_part(&s, (const uint8_t *)packed.buf + from, (size_t)size);
+        b2_part(&s, (const uint8_t *)packed.buf + 4 * tail_start, (size_t)(4 * (end - tail_start)));
         b2_final(&s, digest);
         PyObject *item = PyBytes_FromStringAndSize((const char *)digest, DIGEST);
         if (item == NULL) goto fail;
@@ -207,14 +207,60 @@ done:
     return out;
 }
 
-/* A ref of ``ref_type`` (a tuple subclass: ObjectRef) from its seven fields; steals none. */
+/* A ref of ``ref_type`` (a tuple subclass: ObjectRef) from its seven fields, made as
+ * ``tuple.__new__(ref_type, fields)`` makes it (the named tuple's own __new__ is a Python function); steals none. */
 static PyObject *new_ref(PyTypeObject *ref_type, PyObject *fields[7]) {
-    PyObject *ref = ref_type->tp_alloc(ref_type, 7);
-    if (ref == NULL) return NULL;
-    for (int i = 0; i < 7; i++) {
-        Py_INCREF(fields[i]);
-        PyTuple_SET_ITEM(ref, i, fields[i]);
+    PyObject *items = PyTuple_Pack(7, fields[0], fields[1], fields[2], fields[3], fields[4], fields[5], fields[6]);
+    if (items == NULL) return NULL;
+    PyObject *args = PyTuple_Pack(1, items);
+    Py_DECREF(items);
+    if (args == NULL) return NULL;
+    PyObject *ref = PyTuple_Type.tp_new(ref_type, args, NULL);
+    Py_DECREF(args);
+    return ref;
+}
+
+/* The ref of the tail or pointer ending at ``end``, kept in ``refs`` under ``where`` and in ``by_key``
+ * under its key; a new reference, or NULL with an exception set. */
+static PyObject *make_ref(PyTypeObject *ref_type, PyObject *prefix, PyObject *group, PyObject *kind,
+                          Py_ssize_t block_size, PyObject *end, PyObject *hashes, PyObject *refs, PyObject *by_key,
+                          PyObject *where) {
+    PyObject *digest = PyDict_GetItemWithError(hashes, end);
+    if (digest == NULL) {
+        if (!PyErr_Occurred()) PyErr_Format(PyExc_KeyError, "no tail hash for end %R", end);
+        return NULL;
     }
+    /* Held: what follows allocates, a collection may run Python code, and another thread may replace
+     * the dict's entry (with equal bytes: PromptKeys' rule) meanwhile. */
+    Py_INCREF(digest);
+    PyObject *key = NULL, *index_obj = NULL, *start = NULL, *ref = NULL;
+    Py_ssize_t token_end = PyLong_AsSsize_t(end);
+    if (token_end == -1 && PyErr_Occurred()) goto done;
+    if (!PyBytes_Check(digest) || PyBytes_GET_SIZE(digest) > 64) {
+        PyErr_Format(PyExc_ValueError, "the tail hash for end %R is not a digest", end);
+        goto done;
+    }
+    char hex[129];
+    const unsigned char *raw = (const unsigned char *)PyBytes_AS_STRING(digest);
+    Py_ssize_t size = PyBytes_GET_SIZE(digest);
+    for (Py_ssize_t j = 0; j < size; j++) {
+        hex[2 * j] = "0123456789abcdef"[raw[j] >> 4];
+        hex[2 * j + 1] = "0123456789abcdef"[raw[j] & 15];
+    }
+    hex[2 * size] = 0;
+    Py_ssize_t index = token_end / block_size;
+    key = PyUnicode_FromFormat("%U%zd/%s", prefix, token_end, hex);
+    index_obj = PyLong_FromSsize_t(index);
+    start = PyLong_FromSsize_t(index * block_size);
+    if (key == NULL || index_obj == NULL || start == NULL) goto done;
+    PyObject *fields[7] = {key, group, kind, index_obj, start, end, digest};
+    ref = new_ref(ref_type, fields);
+    if (ref != NULL && (PyDict_SetItem(refs, where, ref) < 0 || PyDict_SetItem(by_key, key, ref) < 0)) Py_CLEAR(ref);
+done:
+    Py_XDECREF(key);
+    Py_XDECREF(index_obj);
+    Py_XDECREF(start);
+    Py_DECREF(digest);
     return ref;
 }
 
@@ -241,53 +287,13 @@ static PyObject *build_refs(PyObject *Py_UNUSED(self), PyObject *args) {
         PyObject *end = PySequence_Fast_GET_ITEM(seq, i);
         PyObject *where = PyTuple_Pack(3, kind, end, group);
         if (where == NULL) goto fail;
-        PyObject *ref = PyDict_GetItemWithError(refs, where); /* borrowed */
-        if (ref == NULL && PyErr_Occurred()) {
-            Py_DECREF(where);
-            goto fail;
-        }
-        if (ref != NULL) {
+        PyObject *ref = PyDict_GetItemWithError(refs, where); /* borrowed: held at once */
+        if (ref != NULL)
             Py_INCREF(ref);
-        } else {
-            PyObject *digest = PyDict_GetItemWithError(hashes, end); /* borrowed */
-            Py_ssize_t token_end = PyLong_AsSsize_t(end);
-            if (digest == NULL || !PyBytes_Check(digest) || PyBytes_GET_SIZE(digest) > 64 ||
-                (token_end == -1 && PyErr_Occurred())) {
-                if (!PyErr_Occurred()) PyErr_Format(PyExc_KeyError, "no tail hash for end %R", end);
-                Py_DECREF(where);
-                goto fail;
-            }
-            char hex[129];
-            const unsigned char *raw = (const unsigned char *)PyBytes_AS_STRING(digest);
-            Py_ssize_t size = PyBytes_GET_SIZE(digest);
-            for (Py_ssize_t j = 0; j < size; j++) {
-                hex[2 * j] = "0123456789abcdef"[raw[j] >> 4];
-                hex[2 * j + 1] = "0123456789abcdef"[raw[j] & 15];
-            }
-            hex[2 * size] = 0;
-            PyObject *key = PyUnicode_FromFormat("%U%zd/%s", prefix, token_end, hex);
-            Py_ssize_t index = token_end / block_size;
-            PyObject *index_obj = PyLong_FromSsize_t(index), *start = PyLong_FromSsize_t(index * block_size);
-            if (key == NULL || index_obj == NULL || start == NULL) {
-                Py_XDECREF(key);
-                Py_XDECREF(index_obj);
-                Py_XDECREF(start);
-                Py_DECREF(where);
-                goto fail;
-            }
-            PyObject *fields[7] = {key, group, kind, index_obj, start, end, digest};
-            ref = new_ref((PyTypeObject *)ref_type, fields);
-            Py_DECREF(index_obj);
-            Py_DECREF(start);
-            if (ref == NULL || PyDict_SetItem(refs, where, ref) < 0 || PyDict_SetItem(by_key, key, ref) < 0) {
-                Py_XDECREF(ref);
-                Py_DECREF(key);
-                Py_DECREF(where);
-                goto fail;
-            }
-            Py_DECREF(key);
-        }
+        else if (!PyErr_Occurred())
+            ref = make_ref((PyTypeObject *)ref_type, prefix, group, kind, block_size, end, hashes, refs, by_key, where);
         Py_DECREF(where);
+        if (ref == NULL) goto fail;
         PyList_SET_ITEM(out, i, ref);
     }
     Py_DECREF(seq);

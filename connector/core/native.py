@@ -14,8 +14,11 @@ import os
 from types import ModuleType
 
 
+TURNED_OFF = os.environ.get("KVTOOL_NATIVE_KEYS", "1") == "0"
+
+
 def _load() -> ModuleType | None:
-    if os.environ.get("KVTOOL_NATIVE_KEYS", "1") == "0":
+    if TURNED_OFF:
         return None
     try:
         from . import _native
@@ -29,4 +32,7 @@ KEYS: ModuleType | None = _load()
 
 def describe() -> str:
     """One line for the log: which key builder this process runs."""
-    return "the C key builder" if KEYS is not None else "the pure-Python key builder (no C module built)"
+    if KEYS is not None:
+        return "the C key builder"
+    why = "KVTOOL_NATIVE_KEYS=0" if TURNED_OFF else "no C module built"
+    return f"the pure-Python key builder ({why})"

@@ -40,15 +40,23 @@ class HostMemory:
         return min(known) if known else None
 
     def _cgroup_room(self) -> int | None:
-        # "0::/path" in /proc/self/cgroup names this process's cgroup (v2) under the mounted hierarchy.
+        """The least room any cgroup (v2) above this process leaves: its ``memory.max`` less its working set
+        (``memory.current`` less the page cache it may drop, ``inactive_file``: model files read once
+        fill it in a container). A parent's limit (a pod, a slice) binds as much as the leaf's."""
+        # "0::/path" in /proc/self/cgroup names this process's cgroup under the mounted hierarchy.
         entry = next((line for line in _read(self.proc / "self" / "cgroup").splitlines() if line.startswith("0::")), "")
         if not entry:
             return None
-        group = self.cgroup / entry.removeprefix("0::").lstrip("/")
-        limit, used = _read(group / "memory.max").strip(), _read(group / "memory.current").strip()
-        if not limit.isdigit() or not used.isdigit():
-            return None  # "max" (no limit), or no memory controller here
-        return max(0, int(limit) - int(used))
+        group, rooms = self.cgroup / entry.removeprefix("0::").strip().lstrip("/"), []
+        while True:
+            limit, used = _read(group / "memory.max").strip(), _read(group / "memory.current").strip()
+            if limit.isdigit() and used.isdigit():  # "max": no limit at this level
+                dropped = _stat_field(_read(group / "memory.stat"), "inactive_file")
+                rooms.append(max(0, int(limit) - max(0, int(used) - dropped)))
+            if group == self.cgroup or self.cgroup not in group.parents:
+                break
+            group = group.parent
+        return min(rooms) if rooms else None
 
     def tree_bytes(self, pid: int) -> int:
         """Memory of ``pid`` and every process below it (0 where it is gone)."""
@@ -64,9 +72,12 @@ class HostMemory:
         children: dict[int, list[int]] = {}
         for pid, parent in self._parents():
             children.setdefault(parent, []).append(pid)
-        tree, todo = [], [root]
+        tree, todo, seen = [], [root], set()
         while todo:
             pid = todo.pop()
+            if pid in seen:  # a pid reused while /proc was read could close a loop
+                continue
+            seen.add(pid)
             tree.append(pid)
             todo += children.get(pid, [])
         return tree
@@ -82,16 +93,22 @@ class HostMemory:
                 yield int(entry.name), int(fields[1])
 
 
-def check_room(name: str, largest: tuple[str, int] | None, available: int | None) -> None:
+def check_room(name: str, largest: tuple[str, int] | None, available: int | None, kv_cache: int = 0) -> None:
     """Refuse to start engine ``name`` where the host lacks the room a serving engine takes (``largest``:
-    the fleet's largest engine and its bytes). Says nothing where either figure is unknown."""
+    the fleet's largest engine and its bytes), and never less than its KV cache (``kv_cache`` bytes: pages
+    an engine has not touched yet are not in its PSS). Says nothing where the room is unknown, or no
+    engine was measured."""
     if largest is None or available is None or largest[1] <= 0:
         return
     reference, size = largest
+    if size < kv_cache:
+        reference, size = "its KV cache alone", kv_cache
+    else:
+        reference = f"{reference} now"
     need = int(size * START_MARGIN)
     if available < need:
         raise UserError(
-            f"not starting {name}: an engine of this fleet takes about {size / GIB:.1f} GiB ({reference} now) and "
+            f"not starting {name}: an engine of this fleet takes about {size / GIB:.1f} GiB ({reference}) and "
             f"the host has {available / GIB:.1f} GiB available; free memory, or give the engines less KV cache "
             "(--kv-cache-gib) and restart the fleet"
         )
@@ -118,3 +135,12 @@ def _meminfo_field(text: str, name: str) -> int | None:
             number = value.split()
             return int(number[0]) * 1024 if number and number[0].isdigit() else None
     return None
+
+
+def _stat_field(text: str, name: str) -> int:
+    """``name 1234`` in a memory.stat text, in bytes; 0 where absent."""
+    for line in text.splitlines():
+        label, _, value = line.partition(" ")
+        if label == name and value.strip().isdigit():
+            return int(value)
+    return 0

@@ -38,7 +38,7 @@ from kvtool.errors import UserError
 from kvtool.files import write_json_atomically
 from kvtool.pair.config import FLEET_PREFIX, REPO_ROOT, Reporter, ServePairConfig
 from kvtool.pair.engines import engine_argv, engine_env
-from kvtool.pair.hostmemory import HostMemory, check_room, largest_engine
+from kvtool.pair.hostmemory import GIB, HostMemory, check_room, largest_engine
 from kvtool.pair.members import RESTART_GRACE_FACTOR, FleetMembers, engine_policy
 from kvtool.pair.ready import ScalePhase, ScaleState
 from kvtool.pair.supervise import Supervisor
@@ -212,7 +212,8 @@ class FleetScaler:
         port = grown.port(name)
         ensure_port_free(port, f"the port of {name} (--producer-port + {name.removeprefix(FLEET_PREFIX)})")
         engines = [(proc.name, proc.pid) for proc in self.procs.processes if proc.name.startswith(FLEET_PREFIX)]
-        check_room(name, largest_engine(self.memory, engines), self.memory.available())
+        kv_cache = int(grown.kv_cache_gib * GIB)
+        check_room(name, largest_engine(self.memory, engines), self.memory.available(), kv_cache)
         self.members.expect(name)  # out of the rotation, and of the ready file, until admitted
         self.cfg = self.members.cfg = grown
         with self._lock:

@@ -76,11 +76,16 @@ def test_every_rank_saves_its_share_and_a_consumer_loads_them_all(tp_pair):
 
 
 def test_a_prefix_one_rank_lacks_is_not_a_hit(tp_pair):
-    tokens, saved = produce_whole(tp_pair, 9102, LENGTH)
-    keys = _keys(tp_pair, tokens, saved.namespace)
-    remove(tp_pair, keys_on_every_rank(keys.block_key(1), saved.tp_namespaces)[1])  # rank 1's second block
-
-    details = consume_while_held_back(tp_pair, tokens)
+    # A fresh prompt per try: one the store held back (``held_back``) was recomputed, and is now in the
+    # consumer's own cache, which a load never claims over.
+    for attempt in range(3):
+        tokens, saved = produce_whole(tp_pair, 9102 + 10 * attempt, LENGTH)
+        keys = _keys(tp_pair, tokens, saved.namespace)
+        remove(tp_pair, keys_on_every_rank(keys.block_key(1), saved.tp_namespaces)[1])  # rank 1's second block
+        details, _ = consume(tp_pair, tokens)
+        if not held_back(details):
+            break
+        time.sleep(2.0)  # past the breaker's back-off, should the stall have opened it
     # Rank 0 still holds the whole prompt; only the first block is stored on both ranks.
     assert details.external_hit_tokens == tp_pair.block_size, details
 
@@ -88,7 +93,7 @@ def test_a_prefix_one_rank_lacks_is_not_a_hit(tp_pair):
 def test_a_load_that_fails_on_one_rank_only_is_recomputed(tp_pair):
     """Rank 1's objects fail their checksum: the request is recomputed (consume checks the answer). Where
     rank 0's transfer stalls meanwhile (README known issues), the failure it reports first is a transport
-    one: a fresh prompt is tried, up to 3, and the invariant (a miss, an exact answer) holds on each."""
+    one: a fresh prompt is tried, up to 4, and the invariant (a miss, an exact answer) holds on each."""
     for attempt in range(4):
         tokens, saved = produce_whole(tp_pair, 9103 + 10 * attempt, LENGTH)
         with faults(tp_pair, corrupt_get="flip", get_namespaces=[saved.tp_namespaces[1]]):

@@ -26,16 +26,21 @@ def _process(proc: Path, pid: int, parent: int, comm: str, pss_kb: int | None, r
         (folder / "smaps_rollup").write_text(f"00400000-7fff [rollup]\nRss:  {rss_kb} kB\nPss:  {pss_kb} kB\n")
 
 
+def _limit(group: Path, limit: str, used: str, inactive_file: int = 0) -> None:
+    group.mkdir(parents=True, exist_ok=True)
+    (group / "memory.max").write_text(limit + "\n")
+    (group / "memory.current").write_text(used + "\n")
+    (group / "memory.stat").write_text(f"anon 1000\nfile 5000\ninactive_file {inactive_file}\nactive_file 7\n")
+
+
 def _host(tmp_path: Path, available_kb: int = 8 << 20, cgroup: tuple[str, str] | None = None) -> HostMemory:
     proc, groups = tmp_path / "proc", tmp_path / "cgroup"
     proc.mkdir(parents=True)
     (proc / "meminfo").write_text(f"MemTotal:  {24 << 20} kB\nMemFree:  1000 kB\nMemAvailable:  {available_kb} kB\n")
     (proc / "self").mkdir()
-    (proc / "self" / "cgroup").write_text("0::/fleet.scope\n")
+    (proc / "self" / "cgroup").write_text("0::/pod.slice/fleet.scope\n")
     if cgroup is not None:
-        (groups / "fleet.scope").mkdir(parents=True)
-        (groups / "fleet.scope" / "memory.max").write_text(cgroup[0] + "\n")
-        (groups / "fleet.scope" / "memory.current").write_text(cgroup[1] + "\n")
+        _limit(groups / "pod.slice" / "fleet.scope", *cgroup)
     # engine-0: an API server (100) whose engine core (101, a name with spaces and parentheses) runs a
     # worker (102, no smaps_rollup: its VmRSS counts); 200 is another engine, 1 is init.
     _process(proc, 1, 0, "init", 10, 10)
@@ -60,6 +65,12 @@ def test_what_the_host_can_give_is_memavailable_capped_by_the_fleets_cgroup(tmp_
     assert limited.available() == 3 * GIB  # the container's limit less its use
     assert _host(tmp_path / "c", cgroup=("max", str(7 * GIB))).available() == 8 * GIB  # no limit set
     assert HostMemory(proc=tmp_path / "none", cgroup=tmp_path / "none").available() is None
+    cached = _host(tmp_path / "d", cgroup=(str(10 * GIB), str(9 * GIB)))
+    _limit(tmp_path / "d" / "cgroup" / "pod.slice" / "fleet.scope", str(10 * GIB), str(9 * GIB), 4 * GIB)
+    assert cached.available() == 5 * GIB  # page cache it can drop (model files read) is room
+    parent = _host(tmp_path / "e", cgroup=(str(10 * GIB), str(1 * GIB)))
+    _limit(tmp_path / "e" / "cgroup" / "pod.slice", str(4 * GIB), str(2 * GIB))
+    assert parent.available() == 2 * GIB  # the pod's limit binds though the leaf's leaves 9
 
 
 def test_the_room_check_names_the_engine_the_sizes_and_what_to_do(tmp_path):
@@ -71,6 +82,14 @@ def test_the_room_check_names_the_engine_the_sizes_and_what_to_do(tmp_path):
     assert "the host has 3.0 GiB available" in message and "--kv-cache-gib" in message and "\n" not in message
     check_room("engine-3", None, 1)  # nothing measured: no refusal on a guess
     check_room("engine-3", ("engine-0", 4 * GIB), None)
+    with pytest.raises(UserError, match="takes about 6.0 GiB \\(its KV cache alone\\)"):
+        check_room("engine-3", ("engine-0", 4 * GIB), 6 * GIB, kv_cache=6 * GIB)  # untouched KV pages count
+
+
+def test_a_pid_loop_in_a_snapshot_of_proc_ends(tmp_path):
+    host = _host(tmp_path)
+    (tmp_path / "proc" / "1" / "stat").write_text("1 (init) S 102 1 1 0 -1\n")  # pid reuse: a loop 1 -> 100 -> ... -> 1
+    assert host.tree_bytes(1) > 0
 
 
 def test_the_real_proc_gives_this_hosts_numbers():

@@ -29,6 +29,7 @@ block_st = st.sampled_from([1, 2, 3, 16, 32, 64, 256])
 roots = st.one_of(st.just(RequestIdentity().root_hash()), st.binary(min_size=0, max_size=40))
 
 
+@pytest.mark.skipif(native.TURNED_OFF, reason="KVTOOL_NATIVE_KEYS=0 rules the C key builder out")
 def test_the_install_built_the_c_key_builder():
     assert C is not None, "connector/core/_native.c was not built: pip install -e . needs a C compiler and Python.h"
     assert native.describe() == "the C key builder"
@@ -84,6 +85,7 @@ def test_a_prompts_keys_and_refs_are_the_references(tokens, block_size, grid, ha
         assert plain.block_chain == built.block_chain
         assert plain.probe_refs(ends, blocks=True) == with_c
     assert all(type(ref) is ObjectRef for ref in with_c)  # a named tuple: ``ref.key`` and the rest read as before
+    assert [hash(ref) for ref in with_c] == [hash(ref) for ref in plain.probe_refs(ends, blocks=True)]
     assert plain._by_key == built._by_key and plain._refs == built._refs  # the caches hold the same refs
 
 
@@ -101,6 +103,11 @@ def test_the_c_builder_refuses_bad_input_with_python_errors():
     with pytest.raises(ValueError, match="block_size must be positive"):
         C.build_refs(ObjectRef, "p/", 0, KeyKind.TAIL, 0, [5], {5: b"x"}, {}, {})
     assert C.block_chain(b"\0" * 7, 2, b"") == []  # less than one block of packed tokens
+    # Sizes whose byte counts would wrap around a machine word: refused, never read past the buffer.
+    with pytest.raises(ValueError, match="not inside the packed tokens"):
+        C.tail_digests(b"abcd", 3 << 61, [(3 << 61) + 1], b"")
+    with pytest.raises(ValueError, match="block_size must be positive"):
+        C.block_chain(b"abcd", 1 << 62, b"")
 
 
 def test_keys_without_the_c_builder_are_the_same_bytes(monkeypatch):
