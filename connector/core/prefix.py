@@ -34,7 +34,8 @@ class PromptKeys:
     fields gives for its key, so two threads writing one key write equal values (idempotent), and
     no code iterates a cache (membership tests, ``get`` and single stores only; each is atomic under
     the GIL). A cache that held anything else (a count, a list appended to, a value that depends on
-    which thread got there first) would race."""
+    which thread got there first) would race. The C key builder (``native.KEYS.build_refs``) writes
+    ``_refs`` and ``_by_key`` by the same rule, and holds each hash it reads while it makes the ref."""
 
     tokens: tuple[int, ...]
     block_size: int

@@ -58,9 +58,11 @@ class HostMemory:
             group = group.parent
         return min(rooms) if rooms else None
 
-    def tree_bytes(self, pid: int) -> int:
-        """Memory of ``pid`` and every process below it (0 where it is gone)."""
-        return sum(self._process_bytes(member) for member in self._tree(pid))
+    def tree_bytes(self, pid: int, children: dict[int, list[int]] | None = None) -> int:
+        """Memory of ``pid`` and every process below it (0 where it is gone); ``children``: the process
+        table read once (``children``) for several trees."""
+        table = children if children is not None else self.children()
+        return sum(self._process_bytes(member) for member in _tree(pid, table))
 
     def _process_bytes(self, pid: int) -> int:
         rollup = _meminfo_field(_read(self.proc / str(pid) / "smaps_rollup"), "Pss")
@@ -68,19 +70,12 @@ class HostMemory:
             return rollup
         return _meminfo_field(_read(self.proc / str(pid) / "status"), "VmRSS") or 0
 
-    def _tree(self, root: int) -> list[int]:
+    def children(self) -> dict[int, list[int]]:
+        """Each pid's children, from one read of the process table."""
         children: dict[int, list[int]] = {}
         for pid, parent in self._parents():
             children.setdefault(parent, []).append(pid)
-        tree, todo, seen = [], [root], set()
-        while todo:
-            pid = todo.pop()
-            if pid in seen:  # a pid reused while /proc was read could close a loop
-                continue
-            seen.add(pid)
-            tree.append(pid)
-            todo += children.get(pid, [])
-        return tree
+        return children
 
     def _parents(self) -> Iterable[tuple[int, int]]:
         for entry in self.proc.iterdir() if self.proc.is_dir() else ():
@@ -116,8 +111,21 @@ def check_room(name: str, largest: tuple[str, int] | None, available: int | None
 
 def largest_engine(memory: HostMemory, engines: Iterable[tuple[str, int]]) -> tuple[str, int] | None:
     """The engine (name, pid) of ``engines`` whose process tree takes most memory, with its bytes."""
-    sizes = [(name, memory.tree_bytes(pid)) for name, pid in engines]
+    children = memory.children()  # /proc read once for every engine
+    sizes = [(name, memory.tree_bytes(pid, children)) for name, pid in engines]
     return max(sizes, key=lambda item: item[1], default=None)
+
+
+def _tree(root: int, children: dict[int, list[int]]) -> list[int]:
+    tree, todo, seen = [], [root], set()
+    while todo:
+        pid = todo.pop()
+        if pid in seen:  # a pid reused while /proc was read could close a loop
+            continue
+        seen.add(pid)
+        tree.append(pid)
+        todo += children.get(pid, [])
+    return tree
 
 
 def _read(path: Path) -> str:

@@ -110,7 +110,7 @@ class TightHost(HostMemory):
     def available(self) -> int | None:
         return GIB
 
-    def tree_bytes(self, pid: int) -> int:
+    def tree_bytes(self, pid: int, children: dict[int, list[int]] | None = None) -> int:
         return 4 * GIB
 
 
